@@ -1,0 +1,72 @@
+"""`ksana-jax convert SOURCE OUTPUT_DIR`: HF directory or GGUF file -> checkpoint directory.
+
+The output (layout in ksana_jax/checkpoint.py) is written into a temporary sibling directory
+and renamed into place only when complete, so a half-written directory is never loadable.
+An existing OUTPUT_DIR is kept unless `force` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from checkpoints_tools.gguf_source import read_gguf
+from checkpoints_tools.hf import read_hf_dir
+from checkpoints_tools.source import ConversionError, Source
+from ksana_jax import checkpoint
+
+DTYPES = ("float32", "bfloat16")
+
+
+def read_source(path: str | Path, dtype: str | None = None) -> Source:
+    """Reads an HF checkpoint directory or a .gguf file; `dtype` None keeps the source's."""
+    path = Path(path)
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"unsupported --dtype {dtype!r}; supported: {DTYPES}")
+    if not path.exists():
+        raise ConversionError(f"{path} does not exist")
+    if path.is_dir():
+        return read_hf_dir(path, dtype)
+    if path.suffix.lower() == ".gguf":
+        return read_gguf(path, dtype or "float32")
+    raise ConversionError(f"{path} is neither a Hugging Face checkpoint directory nor a .gguf file")
+
+
+def write_checkpoint(source: Source, output_dir: str | Path, force: bool = False) -> Path:
+    """Writes `source` as a checkpoint directory at `output_dir`, atomically."""
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not force:
+        raise ConversionError(f"{output_dir} already exists; pass --force to overwrite it")
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
+    try:
+        (staging / checkpoint.CONFIG_FILE).write_text(
+            json.dumps(source.config.to_hf_dict(), indent=2) + "\n"
+        )
+        for name, contents in source.tokenizer_files.items():
+            (staging / name).write_bytes(contents)
+        if source.generation_config is not None:
+            (staging / checkpoint.GENERATION_CONFIG_FILE).write_text(
+                json.dumps(source.generation_config, indent=2) + "\n"
+            )
+        checkpoint.save_params(staging / checkpoint.PARAMS_DIR, source.params)
+        if output_dir.exists():
+            shutil.rmtree(output_dir)
+        os.rename(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output_dir
+
+
+def convert(
+    source_path: str | Path, output_dir: str | Path, dtype: str | None = None, force: bool = False
+) -> Path:
+    """Reads SOURCE and writes the checkpoint directory; returns its path."""
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not force:  # fail before the slow part
+        raise ConversionError(f"{output_dir} already exists; pass --force to overwrite it")
+    return write_checkpoint(read_source(source_path, dtype), output_dir, force)

@@ -1,0 +1,120 @@
+"""The `ksana-jax` command line: `convert` and `generate` (the server adds `serve`).
+
+User errors (bad paths, bad files, unsupported models, bad flags) print one line on stderr
+and exit with status 2; tracebacks are for bugs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert an HF safetensors directory or a GGUF file to a ksana-jax checkpoint",
+        description="Convert SOURCE (a Hugging Face checkpoint directory with safetensors, or a "
+        ".gguf file) into a ksana-jax checkpoint directory (config.json, orbax params, "
+        "tokenizer files), written atomically.",
+    )
+    p.add_argument("source", metavar="SOURCE", help="HF checkpoint directory or .gguf file")
+    p.add_argument("output_dir", metavar="OUTPUT_DIR", help="checkpoint directory to create")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="parameter dtype (default: the source's; float32 for GGUF)",
+    )
+    p.add_argument("--force", action="store_true", help="overwrite OUTPUT_DIR if it exists")
+    p.set_defaults(run=_run_convert)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from checkpoints_tools import convert
+
+    start = time.perf_counter()
+    out = convert(args.source, args.output_dir, dtype=args.dtype, force=args.force)
+    print(f"wrote {out} in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate a completion for one prompt",
+        description="Load MODEL (checkpoint directory, HF directory or .gguf) and generate a "
+        "completion of PROMPT with jitted chunked prefill and decode on the paged KV.",
+    )
+    p.add_argument("model", metavar="MODEL", help="checkpoint directory, HF directory or .gguf")
+    p.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap PROMPT as a user message in the model's chat template",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"prompt_token_ids", "token_ids", "text"} as JSON',
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="parameter dtype (default: the checkpoint's)",
+    )
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import ksana_jax
+
+    model = ksana_jax.load(args.model, dtype=args.dtype)
+    tok = model.tokenizer
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt_ids = tok.encode(text, add_special_tokens=False)
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    token_ids = ksana_jax.generate(
+        model, prompt_ids, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
+    text = tok.decode(token_ids, skip_special_tokens=True)
+    if args.json:
+        print(
+            json.dumps(
+                {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "text": text},
+                ensure_ascii=False,
+            )
+        )
+    else:
+        print(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ksana-jax", description="LLM inference and serving on JAX/XLA."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_convert(sub)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"ksana-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2

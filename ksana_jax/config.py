@@ -1,0 +1,290 @@
+"""Frozen model configuration, built from a Hugging Face `config.json` or GGUF metadata.
+
+In: a parsed `config.json` dict (transformers 4.x or 5.x layout) or a GGUF key/value dict.
+Out: a hashable `ModelConfig` that is the static argument of every jitted function, so two
+configs that compare equal share compiled code. No I/O happens here; readers live in
+`checkpoint.py` and `checkpoints_tools/`.
+
+Supported: the Llama family of decoders -- Llama 2, Llama 3/3.1/3.2 (`llama3` and `linear`
+rope scaling), Mistral without sliding window, Qwen2/Qwen2.5 (q/k/v bias), SmolLM2. Anything
+else is a `ValueError` that names the offending field and lists what is supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+_ARCHITECTURE_OF = dict(zip(SUPPORTED_MODEL_TYPES, SUPPORTED_ARCHITECTURES, strict=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling; `rope_type` is one of SUPPORTED_ROPE_TYPES minus "default"."""
+
+    rope_type: str
+    factor: float
+    # llama3 only: the wavelength band that is smoothly interpolated between scaled and not.
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyperparameters of one Llama-family decoder. Hashable: a static jit argument."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_hidden_layers: int  # L
+    num_attention_heads: int  # N
+    num_key_value_heads: int  # K
+    head_dim: int  # H
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    dtype: str = "float32"  # the checkpoint's dtype ("auto" resolves to it)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {SUPPORTED_DTYPES}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    # ------------------------------------------------------------------ HF config.json
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any]) -> ModelConfig:
+        """Builds the config from a transformers `config.json` dict (4.x or 5.x layout)."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r} (architectures "
+                f"{hf.get('architectures')}); supported: {SUPPORTED_MODEL_TYPES} "
+                f"({', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        architectures = hf.get("architectures") or [_ARCHITECTURE_OF[model_type]]
+        if architectures[0] not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {architectures[0]!r}; "
+                f"supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        _require_value(hf, "hidden_act", ("silu",), default="silu")
+        _require_value(hf, "mlp_bias", (False,), default=False)
+        if model_type == "mistral" and hf.get("sliding_window") is not None:
+            raise ValueError(
+                f"sliding_window={hf['sliding_window']} is not supported yet (Mistral with "
+                "sliding-window attention); supported: sliding_window null"
+            )
+        if model_type == "qwen2" and hf.get("use_sliding_window"):
+            raise ValueError(
+                "use_sliding_window=true is not supported yet; supported: use_sliding_window false"
+            )
+        num_heads = _int(hf, "num_attention_heads")
+        hidden = _int(hf, "hidden_size")
+        rope_theta, rope_scaling = _rope_from_hf(hf)
+        bias = bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        return cls(
+            model_type=model_type,
+            vocab_size=_int(hf, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_int(hf, "intermediate_size"),
+            num_hidden_layers=_int(hf, "num_hidden_layers"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bias,
+            o_bias=model_type != "qwen2" and bias,
+            dtype=_dtype_from_hf(hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config as a transformers 4.x-style `config.json` dict (read back by from_hf_dict)."""
+        out: dict[str, Any] = {
+            "architectures": [_ARCHITECTURE_OF[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids)
+            if len(self.eos_token_ids) != 1
+            else self.eos_token_ids[0],
+        }
+        if self.model_type != "qwen2":
+            out["attention_bias"] = self.qkv_bias
+        if self.model_type == "mistral":
+            out["sliding_window"] = None
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+        return out
+
+    # ------------------------------------------------------------------ GGUF metadata
+
+    @classmethod
+    def from_gguf_metadata(
+        cls, metadata: Mapping[str, Any], tensor_names: set[str], dtype: str = "float32"
+    ) -> ModelConfig:
+        """Builds the config from GGUF key/values (llama.cpp names) and the file's tensor names."""
+        arch = metadata.get("general.architecture")
+        if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported GGUF general.architecture {arch!r}; "
+                f"supported: {SUPPORTED_GGUF_ARCHITECTURES}"
+            )
+
+        def key(name: str, default: Any = None) -> Any:
+            value = metadata.get(f"{arch}.{name}", default)
+            if value is None:
+                raise ValueError(f"GGUF metadata is missing {arch}.{name}")
+            return value
+
+        if metadata.get(f"{arch}.attention.sliding_window"):
+            raise ValueError(
+                f"{arch}.attention.sliding_window is not supported yet; "
+                "supported: models without sliding-window attention"
+            )
+        if "rope_freqs.weight" in tensor_names:
+            raise ValueError(
+                "GGUF tensor rope_freqs.weight (per-frequency rope factors, e.g. Llama 3.1 "
+                "scaling) is not supported yet; convert the Hugging Face checkpoint instead"
+            )
+        rope_type = metadata.get(f"{arch}.rope.scaling.type", "none")
+        rope_scaling = None
+        if rope_type == "linear":
+            rope_scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
+        elif rope_type not in ("none", None):
+            raise ValueError(
+                f"unsupported GGUF {arch}.rope.scaling.type {rope_type!r}; supported: none, linear"
+            )
+        num_heads = int(key("attention.head_count"))
+        hidden = int(key("embedding_length"))
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        vocab = metadata.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
+        if vocab is None:
+            raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer tokens")
+        eos = metadata.get("tokenizer.ggml.eos_token_id")
+        head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // num_heads))
+        return cls(
+            model_type=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_hidden_layers=int(key("block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(key("attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(key("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            qkv_bias=arch == "qwen2",
+            dtype=dtype,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+        )
+
+
+def _int(hf: Mapping[str, Any], name: str) -> int:
+    if name not in hf:
+        raise ValueError(f"config.json is missing required field {name!r}")
+    return int(hf[name])
+
+
+def _require_value(hf: Mapping[str, Any], name: str, allowed: tuple, default: Any) -> None:
+    value = hf.get(name, default)
+    if value not in allowed:
+        raise ValueError(f"unsupported {name}={value!r}; supported: {allowed}")
+
+
+def _dtype_from_hf(hf: Mapping[str, Any]) -> str:
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    dtype = str(dtype).removeprefix("torch.")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {SUPPORTED_DTYPES}")
+    return dtype
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """Reads rope from 4.x (`rope_theta` + `rope_scaling`) or 5.x (`rope_parameters`)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return theta, None
+    if "factor" not in scaling:
+        raise ValueError(f"rope scaling {rope_type!r} needs a 'factor'")
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(scaling["factor"]))
+    return theta, RopeScaling(
+        "llama3",
+        float(scaling["factor"]),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    )

@@ -1,0 +1,84 @@
+"""The paged KV array: its layout, its size, and its allocation.
+
+One array holds every layer's keys and values:
+
+    kv: [L, 2, K, num_pages, page_size, H]     (axis 1: 0 = keys, 1 = values)
+
+It is allocated once and then donated to every jitted step, which writes the step's new
+K/V into it in place and returns it. Per (layer, k/v, KV head) the pages are contiguous
+[num_pages, page_size, H] tiles -- the layout jax's Pallas paged-attention kernels read, with
+(page_size, H) as the last two block dims. Page 0 (`SINK_PAGE`) is never handed to a
+request: padding tokens write their K/V there and padding rows point their page tables at it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ksana_jax.config import ModelConfig
+
+SINK_PAGE = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape and dtype of the paged KV array."""
+
+    num_layers: int
+    num_kv_heads: int
+    num_pages: int
+    page_size: int
+    head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the sink), got {self.num_pages}")
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: str) -> KVCacheSpec:
+        return cls(
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            num_pages,
+            page_size,
+            cfg.head_dim,
+            dtype,
+        )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (
+            self.num_layers,
+            2,
+            self.num_kv_heads,
+            self.num_pages,
+            self.page_size,
+            self.head_dim,
+        )
+
+    @property
+    def bytes_per_page(self) -> int:
+        itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.page_size * self.head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_page * self.num_pages
+
+
+def num_pages_for_budget(cfg: ModelConfig, page_size: int, dtype: str, budget_bytes: int) -> int:
+    """How many pages fit in `budget_bytes` (including the sink page)."""
+    per_page = KVCacheSpec.for_model(cfg, 2, page_size, dtype).bytes_per_page
+    return int(budget_bytes // per_page)
+
+
+def allocate_kv(spec: KVCacheSpec, sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+    """Zero-filled KV array of `spec.shape`, created directly on device (and sharding)."""
+    return jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)()

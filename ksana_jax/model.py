@@ -1,0 +1,112 @@
+"""`ksana_jax.load(path)`: a model ready for notebooks, checks and single-request generation.
+
+Accepts a converted checkpoint directory, a Hugging Face checkpoint directory or a GGUF file
+(the last two are converted in memory through checkpoints_tools, nothing is written).
+`Model.logits` runs the paged, jitted forward over a fresh KV array, the same path serving
+uses, so it is what tests compare against Hugging Face transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ksana_jax import checkpoint
+from ksana_jax.config import ModelConfig
+from ksana_jax.kv_cache import KVCacheSpec, allocate_kv
+from ksana_jax.models import llama
+from ksana_jax.step import logits_step
+from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
+from ksana_jax.tokenizer import Tokenizer
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The smallest power of two >= max(n, minimum): bounds the number of compiled shapes."""
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: config, device params, tokenizer and generation defaults."""
+
+    config: ModelConfig
+    params: llama.LlamaParams
+    tokenizer: Tokenizer
+    generation_config: dict[str, Any]
+
+    @property
+    def dtype(self) -> str:
+        return str(self.params.embed.dtype)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids from the config, generation config and tokenizer."""
+        ids = list(self.config.eos_token_ids)
+        eos = self.generation_config.get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
+    def logits(self, token_ids: Sequence[int], page_size: int = 16) -> np.ndarray:
+        """Logits f32[T, V] at every position of `token_ids`, via one paged prefill."""
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("token_ids must not be empty")
+        num_tokens = bucket(n, page_size)
+        pages_per_seq = num_tokens // page_size
+        spec = KVCacheSpec.for_model(self.config, pages_per_seq + 1, page_size, self.dtype)
+        inputs = build_step_inputs(
+            [SequenceChunk(token_ids, 0, range(1, pages_per_seq + 1))],
+            page_size,
+            num_tokens,
+            1,
+            pages_per_seq,
+        )
+        out, _ = logits_step(
+            self.params,
+            self.config,
+            allocate_kv(spec),
+            inputs,
+            jnp.arange(num_tokens, dtype=jnp.int32),
+        )
+        return np.asarray(out[:n])
+
+
+def load(path: str | Path, dtype: str = "auto") -> Model:
+    """Loads a checkpoint directory, an HF directory or a GGUF file.
+
+    Args:
+      path: a directory written by `ksana-jax convert`, an HF checkpoint directory, or .gguf.
+      dtype: parameter dtype; "auto" keeps the checkpoint's (float32 for GGUF).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {DTYPES}")
+    path = Path(path)
+    if checkpoint.is_checkpoint_dir(path):
+        config = checkpoint.read_config(path)
+        target = config.dtype if dtype == "auto" else dtype
+        params = checkpoint.load_params(path, config, target)
+        tokenizer = Tokenizer.from_dir(path)
+        generation_path = path / checkpoint.GENERATION_CONFIG_FILE
+        generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+    else:
+        # In-memory conversion; checkpoints_tools sits above the engine, so import it late.
+        from checkpoints_tools import read_source
+
+        source = read_source(path, None if dtype == "auto" else dtype)
+        config, tokenizer = source.config, Tokenizer.from_files(source.tokenizer_files)
+        params = jax.device_put(source.params)
+        generation = source.generation_config or {}
+    if dtype != "auto":
+        config = dataclasses.replace(config, dtype=dtype)
+    return Model(config, params, tokenizer, generation)

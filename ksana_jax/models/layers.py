@@ -1,0 +1,72 @@
+"""Pure building blocks shared by the decoder families: norm, rotary, projections, MLP.
+
+Activations flow in float32 (the residual stream); weights may be float32 or bfloat16 and
+each matmul accumulates in float32, so norms, softmax and logits are always computed in
+float32 whatever the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ksana_jax.config import ModelConfig
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x f32[..., I] @ w [I, O] (+ b [O]) -> f32[..., O], accumulated in float32."""
+    y = jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return y if b is None else y + b.astype(jnp.float32)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis in float32: x f32[..., D], weight [D] -> f32[..., D]."""
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * weight.astype(jnp.float32)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse rotary frequencies f32[H // 2], with the config's rope scaling applied.
+
+    Computed in float32 exactly as transformers does, so positions rotate identically.
+    """
+    dim = cfg.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between
+    # them interpolated smoothly (Llama 3.1 paper, section 3.3; transformers' formula).
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half rotary embedding: x f32[T, heads, H], positions i32[T] -> f32[T, heads, H]."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, H/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, H]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """down(silu(gate(x)) * up(x)): x f32[T, D] -> f32[T, D]."""
+    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)

@@ -1,0 +1,29 @@
+"""The jitted forward step: one ragged batch in, logits of chosen tokens and the KV out.
+
+This is the single jit boundary of the model path. `cfg` is static (hashable config); the KV
+array is donated, so XLA writes the new K/V in place and the compiled step holds no second
+KV-sized buffer. Shapes come only from the inputs' bucket sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from ksana_jax.config import ModelConfig
+from ksana_jax.models import llama
+from ksana_jax.step_inputs import StepInputs
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
+def logits_step(
+    params: llama.LlamaParams,
+    cfg: ModelConfig,
+    kv: jax.Array,
+    inputs: StepInputs,
+    logits_indices: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Forward over the step's T tokens; logits f32[R, V] at token slots logits_indices i32[R]."""
+    hidden, kv = llama.forward(params, cfg, kv, inputs)
+    return llama.logits(params, hidden[logits_indices]), kv

@@ -1,0 +1,258 @@
+"""One tokenizer interface over HF `tokenizers` (tokenizer.json) and sentencepiece.
+
+In: a checkpoint directory's tokenizer.json or tokenizer.model, plus tokenizer_config.json
+(special tokens, add_bos/eos flags, chat template; transformers 5.x's separate
+chat_template.jinja is read too). Out: `encode`/`decode` with BOS/EOS added exactly as the
+source's configuration says, chat-template rendering under Hugging Face's jinja2 semantics,
+and `IncrementalDetokenizer`, which streams text without ever cutting a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+import sentencepiece
+import tokenizers
+
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_MODEL = "tokenizer.model"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config special tokens are strings or AddedToken dicts ({"content": ...})."""
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value
+
+
+def read_tokenizer_config(path: Path) -> dict[str, Any]:
+    """tokenizer_config.json with the chat template folded in (from chat_template.jinja)."""
+    path = Path(path)
+    config_path = path / TOKENIZER_CONFIG
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    template_path = path / CHAT_TEMPLATE_FILE
+    if template_path.is_file():
+        config["chat_template"] = template_path.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t["name"]: t["template"] for t in template}
+        config["chat_template"] = named.get("default", next(iter(named.values()), None))
+    return config
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, backed by `tokenizers` or sentencepiece."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer | sentencepiece.SentencePieceProcessor,
+        config: Mapping[str, Any],
+    ):
+        self._backend = backend
+        self._is_spm = isinstance(backend, sentencepiece.SentencePieceProcessor)
+        self.config = dict(config)
+        self.chat_template: str | None = self.config.get("chat_template")
+        self.bos_token = _token_content(self.config.get("bos_token"))
+        self.eos_token = _token_content(self.config.get("eos_token"))
+        if self._is_spm:
+            self.bos_token = self.bos_token or self._spm_piece(backend.bos_id())
+            self.eos_token = self.eos_token or self._spm_piece(backend.eos_id())
+            # LlamaTokenizer's defaults: BOS on, EOS off.
+            self._add_bos = bool(self.config.get("add_bos_token", True))
+            self._add_eos = bool(self.config.get("add_eos_token", False))
+        self.bos_token_id = self.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self.token_to_id(self.eos_token) if self.eos_token else None
+        self.special_token_ids = frozenset(self._special_ids())
+
+    def _spm_piece(self, token_id: int) -> str | None:
+        return self._backend.id_to_piece(token_id) if token_id >= 0 else None
+
+    def _special_ids(self) -> Iterable[int]:
+        if self._is_spm:
+            sp = self._backend
+            return (i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i))
+        return (i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Loads tokenizer.json (preferred) or tokenizer.model plus tokenizer_config.json."""
+        path = Path(path)
+        files = {
+            name: (path / name).read_bytes()
+            for name in (TOKENIZER_JSON, TOKENIZER_MODEL)
+            if (path / name).is_file()
+        }
+        if not files:
+            raise ValueError(f"no {TOKENIZER_JSON} or {TOKENIZER_MODEL} in {path}")
+        files[TOKENIZER_CONFIG] = json.dumps(read_tokenizer_config(path)).encode()
+        return cls.from_files(files)
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, bytes]) -> Tokenizer:
+        """Builds from file contents keyed by name (tokenizer_config.json already normalised)."""
+        config = json.loads(files[TOKENIZER_CONFIG]) if TOKENIZER_CONFIG in files else {}
+        if TOKENIZER_JSON in files:
+            return cls(tokenizers.Tokenizer.from_str(files[TOKENIZER_JSON].decode()), config)
+        if TOKENIZER_MODEL in files:
+            return cls(
+                sentencepiece.SentencePieceProcessor(model_proto=files[TOKENIZER_MODEL]), config
+            )
+        raise ValueError(f"no {TOKENIZER_JSON} or {TOKENIZER_MODEL} among {sorted(files)}")
+
+    @property
+    def vocab_size(self) -> int:
+        if self._is_spm:
+            return self._backend.get_piece_size()
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        if self._is_spm:
+            token_id = self._backend.piece_to_id(token)
+            return (
+                None
+                if token_id == self._backend.unk_id() and token != self._spm_piece(token_id)
+                else token_id
+            )
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if self._is_spm:
+            return self._spm_piece(token_id)
+        return self._backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; BOS/EOS added only where the source's config says so."""
+        if not self._is_spm:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._encode_spm(text)
+        if add_special_tokens:
+            if self._add_bos and self.bos_token_id is not None:
+                ids = [self.bos_token_id, *ids]
+            if self._add_eos and self.eos_token_id is not None:
+                ids = [*ids, self.eos_token_id]
+        return ids
+
+    def _encode_spm(self, text: str) -> list[int]:
+        """sentencepiece ids, keeping control tokens written in the text (e.g. "<s>") whole."""
+        specials = sorted(
+            (self._spm_piece(i) for i in self.special_token_ids), key=len, reverse=True
+        )
+        specials = [s for s in specials if s]
+        ids: list[int] = []
+        start = 0
+        while start < len(text):
+            hits = [(text.find(s, start), s) for s in specials]
+            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            if not hits:
+                break
+            pos, special = min(hits, key=lambda h: (h[0], -len(h[1])))
+            if pos > start:
+                ids += self._backend.encode(text[start:pos])
+            ids.append(self._backend.piece_to_id(special))
+            start = pos + len(special)
+        if start < len(text):
+            ids += self._backend.encode(text[start:])
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in token_ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_token_ids]
+        if self._is_spm:
+            return self._backend.decode(ids)
+        return self._backend.decode(ids, skip_special_tokens=False)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Renders messages with the checkpoint's chat template (transformers semantics)."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat_template; use a plain prompt")
+        return render_chat_template(
+            self.chat_template,
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+
+class TemplateError(ValueError):
+    """A chat template called raise_exception (e.g. roles out of order)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+_ENV = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+)
+_ENV.filters["tojson"] = _tojson
+_ENV.globals["raise_exception"] = _raise_exception
+_ENV.globals["strftime_now"] = _strftime_now
+
+
+def render_chat_template(template: str, **variables: Any) -> str:
+    """Renders a Hugging Face chat template string with the given variables."""
+    return _ENV.from_string(template).render(**variables)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, never splitting a character.
+
+    Decodes a short window of ids before the new ones, so tokenizers that drop a leading
+    space at the start of a decode (sentencepiece) still give the right spacing, and holds
+    back text while it ends in U+FFFD (an incomplete UTF-8 sequence).
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = list(prompt_ids)[-6:]
+        self._prefix_offset = max(len(self._ids) - 5, 0)
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Appends one token; returns the newly completed text (possibly "")."""
+        self._ids.append(int(token_id))
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = decode(self._ids[self._prefix_offset :], self._skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self.text += delta
+        return delta
