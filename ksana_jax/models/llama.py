@@ -134,8 +134,8 @@ def _decoder_layer(
     kv = reference.write_kv_pages(kv, layer_index, k_new, v_new, inputs.slot_ids)
     attn = reference.ragged_paged_attention(
         q,
-        kv[layer_index, 0],
-        kv[layer_index, 1],
+        kv,
+        layer_index,
         inputs.page_table,
         inputs.seq_lens,
         inputs.query_starts,

