@@ -141,26 +141,34 @@ class Tokenizer:
         return ids
 
     def _encode_spm(self, text: str) -> list[int]:
-        """sentencepiece ids, keeping control tokens written in the text (e.g. "<s>") whole."""
-        specials = sorted(
-            (self._spm_piece(i) for i in self.special_token_ids), key=len, reverse=True
-        )
-        specials = [s for s in specials if s]
+        """sentencepiece ids, keeping control tokens written in the text (e.g. "<s>") whole.
+
+        Like transformers' LlamaTokenizer (legacy=False), only the text's first run gets
+        sentencepiece's dummy-prefix space, not each run that follows a special token.
+        """
+        specials = [p for p in (self._spm_piece(i) for i in self.special_token_ids) if p]
         ids: list[int] = []
         start = 0
         while start < len(text):
-            hits = [(text.find(s, start), s) for s in specials]
-            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            hits = [(pos, s) for s in specials if (pos := text.find(s, start)) >= 0]
             if not hits:
                 break
             pos, special = min(hits, key=lambda h: (h[0], -len(h[1])))
             if pos > start:
-                ids += self._backend.encode(text[start:pos])
+                ids += self._encode_run(text[start:pos], at_start=start == 0)
             ids.append(self._backend.piece_to_id(special))
             start = pos + len(special)
         if start < len(text):
-            ids += self._backend.encode(text[start:])
+            ids += self._encode_run(text[start:], at_start=start == 0)
         return ids
+
+    def _encode_run(self, text: str, at_start: bool) -> list[int]:
+        if at_start:
+            return self._backend.encode(text)
+        # Encoding behind the unk piece and dropping it suppresses the dummy prefix.
+        unk = self._spm_piece(self._backend.unk_id()) or ""
+        skip = len(self._backend.encode(unk))
+        return self._backend.encode(unk + text)[skip:]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in token_ids]

@@ -85,19 +85,36 @@ def tiny_hf_config(kind: str = "llama", **overrides):
     import transformers
 
     common = dict(
-        vocab_size=TINY_VOCAB, hidden_size=96, intermediate_size=112, num_hidden_layers=3,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        vocab_size=TINY_VOCAB,
+        hidden_size=96,
+        intermediate_size=112,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
     )
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "mistral": transformers.MistralConfig}[kind]
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "mistral": transformers.MistralConfig,
+    }[kind]
     if kind == "mistral":
         common["sliding_window"] = None
     return config_class(**(common | overrides))
 
 
-def write_tiny_hf(path: Path, kind: str = "llama", seed: int = 0, layout: str = "5.x",
-                  max_shard_size: str | None = None, dtype: str = "float32", **overrides):
+def write_tiny_hf(
+    path: Path,
+    kind: str = "llama",
+    seed: int = 0,
+    layout: str = "5.x",
+    max_shard_size: str | None = None,
+    dtype: str = "float32",
+    **overrides,
+):
     """Random-init transformers model saved with save_pretrained; returns the torch model."""
     import torch
     import transformers
@@ -112,7 +129,9 @@ def write_tiny_hf(path: Path, kind: str = "llama", seed: int = 0, layout: str = 
     model = model.to(getattr(torch, dtype))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
-    write_tiny_tokenizer(path, chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    write_tiny_tokenizer(
+        path, chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    )
     if layout == "4.x":
         to_4x_layout(path)
     return model

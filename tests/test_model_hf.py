@@ -16,11 +16,20 @@ CASES = {
     "llama_untied": dict(kind="llama"),
     "llama_tied": dict(kind="llama", tie_word_embeddings=True),
     "llama_attention_bias": dict(kind="llama", attention_bias=True),
-    "llama3_rope": dict(kind="llama", rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    "linear_rope": dict(kind="llama", rope_parameters={
-        "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    "llama3_rope": dict(
+        kind="llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "linear_rope": dict(
+        kind="llama", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    ),
     "explicit_head_dim": dict(kind="llama", head_dim=32),
     "mha_no_gqa": dict(kind="llama", num_key_value_heads=6),
     "qwen2": dict(kind="qwen2"),
@@ -41,9 +50,12 @@ def test_converted_logits_match_transformers(tmp_path, case):
 
 @pytest.mark.parametrize("layout", ["4.x", "5.x"])
 def test_sharded_safetensors_and_both_config_layouts(tmp_path, layout):
-    hf_model = write_tiny_hf(tmp_path / "hf", layout=layout, max_shard_size="40KB",
-                             rope_parameters={"rope_type": "linear", "rope_theta": 5e4,
-                                              "factor": 4.0})
+    hf_model = write_tiny_hf(
+        tmp_path / "hf",
+        layout=layout,
+        max_shard_size="40KB",
+        rope_parameters={"rope_type": "linear", "rope_theta": 5e4, "factor": 4.0},
+    )
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     model = ksana_jax.load(tmp_path / "hf")  # in-memory conversion of the HF directory
     assert model.config.rope_scaling is not None and model.config.rope_theta == 5e4

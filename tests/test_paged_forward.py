@@ -14,9 +14,17 @@ from ksana_jax.models import llama
 from ksana_jax.step import logits_step
 from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
 
-CFG = ModelConfig(model_type="llama", vocab_size=97, hidden_size=48, intermediate_size=80,
-                  num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                  head_dim=8, max_position_embeddings=256)
+CFG = ModelConfig(
+    model_type="llama",
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+)
 PAGE = 4
 PARAMS = llama.init_params(CFG, seed=3)
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 97, 23)]
@@ -28,8 +36,9 @@ def run_all_positions(chunks_per_step, page_ids, num_pages=40, pages_per_seq=8, 
     out, start = [], 0
     for size in chunks_per_step:
         chunk = PROMPT[start : start + size]
-        inputs = build_step_inputs([SequenceChunk(chunk, start, page_ids)], PAGE, num_tokens, 1,
-                                   pages_per_seq)
+        inputs = build_step_inputs(
+            [SequenceChunk(chunk, start, page_ids)], PAGE, num_tokens, 1, pages_per_seq
+        )
         logits, kv = logits_step(PARAMS, CFG, kv, inputs, jnp.arange(size, dtype=jnp.int32))
         out.append(np.asarray(logits))
         start += size
@@ -58,7 +67,7 @@ def test_batch_mates_do_not_change_a_sequence():
     ]
     for chunks in steps:
         inputs = build_step_inputs(chunks, PAGE, 32, 4, 8)
-        last = np.asarray(inputs.query_starts[1:len(chunks) + 1]) - 1
+        last = np.asarray(inputs.query_starts[1 : len(chunks) + 1]) - 1
         logits, kv = logits_step(PARAMS, CFG, kv, inputs, jnp.asarray(last, jnp.int32))
     a_last = np.asarray(logits)[0]
     np.testing.assert_allclose(a_last, want, atol=1e-5)
@@ -102,8 +111,9 @@ def test_no_recompile_for_same_bucket(dtype):
     params = jax.tree.map(lambda x: x.astype(dtype), PARAMS)
     kv = allocate_kv(KVCacheSpec.for_model(CFG, 40, PAGE, dtype))
     for n, start in ((5, 0), (3, 5), (8, 8)):
-        inputs = build_step_inputs([SequenceChunk(PROMPT[start:start + n], start, range(1, 9))],
-                                   PAGE, 16, 2, 8)
+        inputs = build_step_inputs(
+            [SequenceChunk(PROMPT[start : start + n], start, range(1, 9))], PAGE, 16, 2, 8
+        )
         _, kv = logits_step(params, CFG, kv, inputs, jnp.zeros(2, jnp.int32))
     before = logits_step._cache_size()
     inputs = build_step_inputs([SequenceChunk(PROMPT[:2], 16, range(1, 9))], PAGE, 16, 2, 8)

@@ -23,10 +23,12 @@ PLAIN_PROMPTS = [
 ]
 CHATS = [
     [{"role": "user", "content": "What is the tallest mountain on Earth?"}],
-    [{"role": "system", "content": "You answer in one word."},
-     {"role": "user", "content": "Name a colour of the sky."},
-     {"role": "assistant", "content": "Blue."},
-     {"role": "user", "content": "And of grass?"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Name a colour of the sky."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "And of grass?"},
+    ],
 ]
 TOKENIZER_STRINGS = [
     "Hello, world!",
@@ -53,8 +55,12 @@ def test_logits_match_transformers(smollm2, hf_smollm2, tokens):
     if tokens == "plain":
         prompts = [hf_tok(p)["input_ids"] for p in PLAIN_PROMPTS]
     else:
-        prompts = [hf_tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                              return_dict=False) for c in CHATS]
+        prompts = [
+            hf_tok.apply_chat_template(
+                c, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            for c in CHATS
+        ]
     worst = 0.0
     for ids in prompts:
         ids = list(ids)
@@ -67,16 +73,24 @@ def test_logits_match_transformers(smollm2, hf_smollm2, tokens):
 
 def test_greedy_32_tokens_identical(smollm2, hf_smollm2):
     hf_model, hf_tok = hf_smollm2
-    prompts = [hf_tok(PLAIN_PROMPTS[0])["input_ids"],
-               hf_tok.apply_chat_template(CHATS[0], add_generation_prompt=True, tokenize=True,
-                                          return_dict=False)]
+    prompts = [
+        hf_tok(PLAIN_PROMPTS[0])["input_ids"],
+        hf_tok.apply_chat_template(
+            CHATS[0], add_generation_prompt=True, tokenize=True, return_dict=False
+        ),
+    ]
     for ids in prompts:
         ids = list(ids)
         with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                                    dtype=torch.long), max_new_tokens=32, do_sample=False,
-                                    eos_token_id=2, pad_token_id=2)
-        want = out[0, len(ids):].tolist()
+            out = hf_model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=2,
+                pad_token_id=2,
+            )
+        want = out[0, len(ids) :].tolist()
         got = ksana_jax.generate(smollm2, ids, max_tokens=32)
         assert got == want, (smollm2.tokenizer.decode(got), hf_tok.decode(want))
 
@@ -98,9 +112,12 @@ def test_digits_split_one_by_one_like_smollm2s_own_tokenizer(smollm2, hf_smollm2
     _, hf_tok = hf_smollm2
     backend = hf_tok.backend_tokenizer
     original = backend.pre_tokenizer
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     try:
         for text in ["In 2024, 1234567 people paid $3.50 each.", "x = 42 + 7"]:
             assert smollm2.tokenizer.encode(text) == hf_tok(text)["input_ids"]
@@ -110,26 +127,41 @@ def test_digits_split_one_by_one_like_smollm2s_own_tokenizer(smollm2, hf_smollm2
 
 @pytest.mark.parametrize("chat", range(len(CHATS)))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_renders_like_transformers(smollm2, hf_smollm2, chat,
-                                                 add_generation_prompt):
+def test_chat_template_renders_like_transformers(smollm2, hf_smollm2, chat, add_generation_prompt):
     _, hf_tok = hf_smollm2
-    got = smollm2.tokenizer.apply_chat_template(CHATS[chat],
-                                                add_generation_prompt=add_generation_prompt)
-    want = hf_tok.apply_chat_template(CHATS[chat], add_generation_prompt=add_generation_prompt,
-                                      tokenize=False)
+    got = smollm2.tokenizer.apply_chat_template(
+        CHATS[chat], add_generation_prompt=add_generation_prompt
+    )
+    want = hf_tok.apply_chat_template(
+        CHATS[chat], add_generation_prompt=add_generation_prompt, tokenize=False
+    )
     assert got == want
 
 
 def test_cli_generate_json(smollm2_dir, smollm2):
     result = subprocess.run(
-        [sys.executable, "-m", "ksana_jax.cli", "generate", str(smollm2_dir),
-         "What is the capital of France?", "--chat", "--json", "--max-tokens", "12"],
-        capture_output=True, text=True, timeout=600, check=True,
+        [
+            sys.executable,
+            "-m",
+            "ksana_jax.cli",
+            "generate",
+            str(smollm2_dir),
+            "What is the capital of France?",
+            "--chat",
+            "--json",
+            "--max-tokens",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
     out = json.loads(result.stdout)
     tok = smollm2.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user",
-                                       "content": "What is the capital of France?"}])
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
     assert out["prompt_token_ids"] == tok.encode(prompt, add_special_tokens=False)
     want = ksana_jax.generate(smollm2, out["prompt_token_ids"], max_tokens=12)
     assert out["token_ids"] == want

@@ -1,0 +1,192 @@
+"""ModelConfig from HF config.json layouts and GGUF metadata; clear errors for the rest."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ksana_jax.config import ModelConfig, RopeScaling
+from ksana_jax.models.layers import rope_inv_freq
+
+LLAMA2 = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+}
+LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+LLAMA31 = LLAMA2 | {
+    "vocab_size": 128256,
+    "intermediate_size": 14336,
+    "num_key_value_heads": 8,
+    "rope_theta": 500000.0,
+    "rope_scaling": LLAMA31_SCALING,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 131072,
+    "eos_token_id": [128001, 128008, 128009],
+}
+
+
+def test_llama2_and_llama31():
+    cfg = ModelConfig.from_hf_dict(LLAMA2)
+    assert (cfg.head_dim, cfg.num_queries_per_kv, cfg.dtype) == (128, 1, "float16")
+    assert cfg.rope_scaling is None and cfg.eos_token_ids == (2,)
+    cfg = ModelConfig.from_hf_dict(LLAMA31)
+    assert cfg.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    assert cfg.eos_token_ids == (128001, 128008, 128009) and cfg.num_queries_per_kv == 4
+
+
+def test_transformers_5_layout_reads_the_same():
+    v5 = {
+        k: v for k, v in LLAMA31.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")
+    }
+    v5 |= {"rope_parameters": LLAMA31_SCALING | {"rope_theta": 500000.0}, "dtype": "bfloat16"}
+    assert ModelConfig.from_hf_dict(v5) == ModelConfig.from_hf_dict(LLAMA31)
+
+
+def test_round_trip_through_our_config_json():
+    for hf in (
+        LLAMA2,
+        LLAMA31,
+        LLAMA2 | {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+    ):
+        cfg = ModelConfig.from_hf_dict(hf)
+        assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+def test_qwen2_has_qkv_bias_and_no_o_bias():
+    cfg = ModelConfig.from_hf_dict(
+        LLAMA2
+        | {
+            "model_type": "qwen2",
+            "architectures": ["Qwen2ForCausalLM"],
+            "use_sliding_window": False,
+            "sliding_window": 4096,
+        }
+    )
+    assert cfg.qkv_bias and not cfg.o_bias
+
+
+def test_llama3_rope_matches_transformers():
+    import torch
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = transformers.LlamaConfig(
+        **{
+            k: v
+            for k, v in LLAMA31.items()
+            if k not in ("architectures", "model_type", "torch_dtype", "rope_scaling", "rope_theta")
+        },
+        rope_parameters=LLAMA31_SCALING | {"rope_theta": 500000.0},
+    )
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, torch.device("cpu"))
+    got = rope_inv_freq(ModelConfig.from_hf_dict(LLAMA31))
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"model_type": "gemma", "architectures": ["GemmaForCausalLM"]},
+            r"model_type 'gemma'.*supported: \('llama', 'mistral', 'qwen2'\)",
+        ),
+        (
+            {"architectures": ["LlamaForSequenceClassification"]},
+            "architecture 'LlamaForSequenceClassification'",
+        ),
+        (
+            {
+                "model_type": "mistral",
+                "architectures": ["MistralForCausalLM"],
+                "sliding_window": 4096,
+            },
+            "sliding_window=4096 is not supported",
+        ),
+        (
+            {
+                "model_type": "qwen2",
+                "architectures": ["Qwen2ForCausalLM"],
+                "use_sliding_window": True,
+            },
+            "use_sliding_window",
+        ),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'.*supported"),
+        ({"rope_scaling": {"rope_type": "linear"}}, "needs a 'factor'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"mlp_bias": True}, "mlp_bias=True"),
+        ({"num_key_value_heads": 5}, r"num_attention_heads \(32\) must be a multiple"),
+        ({"torch_dtype": "int8"}, "dtype 'int8'"),
+    ],
+)
+def test_unsupported_values_name_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(LLAMA2 | change)
+
+
+def test_missing_field_is_named():
+    hf = dict(LLAMA2)
+    del hf["hidden_size"]
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelConfig.from_hf_dict(hf)
+
+
+GGUF = {
+    "general.architecture": "llama",
+    "llama.block_count": 30,
+    "llama.context_length": 8192,
+    "llama.embedding_length": 576,
+    "llama.feed_forward_length": 1536,
+    "llama.attention.head_count": 9,
+    "llama.attention.head_count_kv": 3,
+    "llama.attention.layer_norm_rms_epsilon": 1e-5,
+    "llama.rope.freq_base": 100000.0,
+    "tokenizer.ggml.tokens": ["t"] * 49152,
+    "tokenizer.ggml.bos_token_id": 1,
+    "tokenizer.ggml.eos_token_id": 2,
+}
+
+
+def test_gguf_metadata():
+    cfg = ModelConfig.from_gguf_metadata(GGUF, {"token_embd.weight"})
+    assert cfg.tie_word_embeddings and cfg.head_dim == 64 and cfg.vocab_size == 49152
+    assert cfg.eos_token_ids == (2,) and cfg.rope_theta == 100000.0
+    cfg = ModelConfig.from_gguf_metadata(
+        GGUF | {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0},
+        {"token_embd.weight", "output.weight"},
+    )
+    assert not cfg.tie_word_embeddings and cfg.rope_scaling == RopeScaling("linear", 2.0)
+
+
+@pytest.mark.parametrize(
+    ("change", "tensors", "message"),
+    [
+        ({"general.architecture": "gemma"}, set(), "general.architecture 'gemma'"),
+        ({"llama.rope.scaling.type": "yarn"}, set(), "scaling.type 'yarn'"),
+        ({"llama.attention.sliding_window": 4096}, set(), "sliding_window"),
+        ({}, {"rope_freqs.weight"}, "rope_freqs.weight"),
+    ],
+)
+def test_gguf_unsupported(change, tensors, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_gguf_metadata(GGUF | change, tensors)
