@@ -35,13 +35,24 @@ def read_source(path: str | Path, dtype: str | None = None) -> Source:
     raise ConversionError(f"{path} is neither a Hugging Face checkpoint directory nor a .gguf file")
 
 
+def _check_output_dir(output_dir: Path, force: bool) -> None:
+    if output_dir.exists() and not force:
+        raise ConversionError(f"{output_dir} already exists; pass --force to overwrite it")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConversionError(f"{output_dir} exists and is not a directory")
+
+
 def write_checkpoint(source: Source, output_dir: str | Path, force: bool = False) -> Path:
     """Writes `source` as a checkpoint directory at `output_dir`, atomically."""
     output_dir = Path(output_dir)
     if output_dir.exists() and not force:
         raise ConversionError(f"{output_dir} already exists; pass --force to overwrite it")
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
+    _check_output_dir(output_dir, force)
+    try:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
+    except OSError as e:
+        raise ConversionError(f"cannot create {output_dir}: {e}") from e
     try:
         (staging / checkpoint.CONFIG_FILE).write_text(
             json.dumps(source.config.to_hf_dict(), indent=2) + "\n"
@@ -67,6 +78,5 @@ def convert(
 ) -> Path:
     """Reads SOURCE and writes the checkpoint directory; returns its path."""
     output_dir = Path(output_dir)
-    if output_dir.exists() and not force:  # fail before the slow part
-        raise ConversionError(f"{output_dir} already exists; pass --force to overwrite it")
+    _check_output_dir(output_dir, force)  # fail before the slow part
     return write_checkpoint(read_source(source_path, dtype), output_dir, force)

@@ -99,7 +99,7 @@ def read_gguf(path: Path, dtype: str = "float32") -> Source:
     permuted = config.model_type == "llama"  # convert_hf_to_gguf permutes only for llama
 
     assembler = ParamAssembler(config, dtype)
-    for tensor in tqdm(reader.tensors, desc=path.name, unit="tensor", leave=False):
+    for tensor in tqdm(reader.tensors, desc=path.name, unit="tensor", leave=False, disable=None):
         name = hf_name(tensor.name)
         value = dequantize(tensor)
         if permuted and name.endswith("q_proj.weight"):

@@ -22,6 +22,7 @@ from ksana_jax.tokenizer import (
     TOKENIZER_CONFIG,
     TOKENIZER_JSON,
     TOKENIZER_MODEL,
+    Tokenizer,
     read_tokenizer_config,
 )
 
@@ -67,9 +68,14 @@ def read_tokenizer_files(path: Path) -> dict[str, bytes]:
         )
     try:
         config = read_tokenizer_config(path)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConversionError(f"cannot read {path / TOKENIZER_CONFIG}: {e}") from e
     files[TOKENIZER_CONFIG] = json.dumps(config, indent=2, ensure_ascii=False).encode()
+    try:
+        Tokenizer.from_files(files)  # fail now, not when the checkpoint is loaded
+    except Exception as e:
+        name = TOKENIZER_JSON if TOKENIZER_JSON in files else TOKENIZER_MODEL
+        raise ConversionError(f"cannot read {path / name}: {e}") from e
     return files
 
 
@@ -93,7 +99,9 @@ def read_hf_dir(path: Path, dtype: str | None = None) -> Source:
         try:
             # The "flax" framework returns jax arrays, which (unlike numpy) cover bfloat16.
             with safetensors.safe_open(file, framework="flax") as f:
-                for name in tqdm(list(f.keys()), desc=file.name, unit="tensor", leave=False):
+                names = list(f.keys())
+                # disable=None: a bar on a terminal only, never in piped logs.
+                for name in tqdm(names, desc=file.name, unit="tensor", leave=False, disable=None):
                     assembler.put(name, np.asarray(f.get_tensor(name)))
         except (OSError, safetensors.SafetensorError) as e:
             raise ConversionError(f"cannot read {file}: {e}") from e

@@ -1,7 +1,8 @@
 """The `ksana-jax` command line: `convert` and `generate` (the server adds `serve`).
 
-User errors (bad paths, bad files, unsupported models, bad flags) print one line on stderr
-and exit with status 2; tracebacks are for bugs only.
+User errors (bad paths, bad files, unsupported models) print one `ksana-jax COMMAND: error:`
+line on stderr and exit with status 2 (bad flags too, after argparse's usage line);
+tracebacks are for bugs only.
 """
 
 from __future__ import annotations

@@ -1,0 +1,657 @@
+"""`ksana-jax convert`: user errors and their messages, atomic output, the directory layout,
+and the command line (in-process through `ksana_jax.cli.main`, and a few real subprocesses)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from conftest import TINY_VOCAB, hf_logits, write_tiny_hf
+
+import ksana_jax
+from checkpoints_tools import ConversionError, convert, read_source
+from ksana_jax import checkpoint, cli
+from ksana_jax.config import ModelConfig
+from ksana_jax.models import llama
+
+REPO = Path(__file__).resolve().parents[1]
+PREFIX = "ksana-jax convert: error:"
+# The template conftest.write_tiny_hf gives every tiny checkpoint.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+CHECKPOINT_FILES = [
+    "config.json",
+    "generation_config.json",
+    "params",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """A tiny float32 Llama as transformers 5.x saves it: one model.safetensors and a
+    separate chat_template.jinja. Returns (directory, torch model). Never modified."""
+    path = tmp_path_factory.mktemp("tiny_hf") / "hf"
+    return path, write_tiny_hf(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_4x(tmp_path_factory):
+    """The transformers 4.x layout (chat template inside tokenizer_config.json, rope at the
+    top of config.json), sharded into several safetensors files. Never modified."""
+    path = tmp_path_factory.mktemp("tiny_hf_4x") / "hf"
+    return path, write_tiny_hf(path, layout="4.x", max_shard_size="40KB", seed=1)
+
+
+@pytest.fixture
+def src(tmp_path, tiny_hf) -> Path:
+    """A private, editable copy of the tiny 5.x checkpoint."""
+    return Path(shutil.copytree(tiny_hf[0], tmp_path / "hf"))
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    data = read_json(path)
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def edit_tensors(path: Path, edit: Callable[[dict[str, np.ndarray]], None]) -> None:
+    """Rewrites `path`/model.safetensors (float32, so the numpy framework suffices)."""
+    file = path / "model.safetensors"
+    tensors = safetensors.numpy.load_file(file)
+    edit(tensors)
+    safetensors.numpy.save_file(tensors, file, metadata={"format": "pt"})
+
+
+def all_tensors(path: Path) -> dict[str, np.ndarray]:
+    tensors: dict[str, np.ndarray] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors |= safetensors.numpy.load_file(file)
+    return tensors
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    """Every file under `path`, relative name -> contents."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- user errors
+
+
+@dataclasses.dataclass
+class Dirs:
+    hf: Path  # editable copy of the 5.x single-file checkpoint
+    tmp: Path
+    sharded_template: Path
+
+    def sharded(self) -> tuple[Path, list[str]]:
+        """An editable copy of the sharded 4.x checkpoint and its shard file names."""
+        path = Path(shutil.copytree(self.sharded_template, self.tmp / "sharded"))
+        index = read_json(path / "model.safetensors.index.json")
+        return path, sorted(set(index["weight_map"].values()))
+
+
+# Each case breaks a checkpoint and returns (SOURCE to convert, substrings the message needs).
+ERRORS: dict[str, Callable[[Dirs], tuple[Path, list[str]]]] = {}
+
+
+def case(fn):
+    ERRORS[fn.__name__] = fn
+    return fn
+
+
+@case
+def no_config_json(d: Dirs):
+    (d.hf / "config.json").unlink()
+    return d.hf, [str(d.hf), "config.json"]
+
+
+@case
+def only_pytorch_model_bin(d: Dirs):
+    (d.hf / "model.safetensors").unlink()
+    (d.hf / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    return d.hf, [str(d.hf), "no weights", "model.safetensors", "pytorch_model.bin"]
+
+
+@case
+def shard_listed_in_index_is_missing(d: Dirs):
+    path, shards = d.sharded()
+    (path / shards[1]).unlink()
+    return path, ["model.safetensors.index.json", shards[1], "do not exist"]
+
+
+@case
+def unknown_model_type(d: Dirs):
+    def edit(c):
+        c["model_type"], c["architectures"] = "gpt2", ["GPT2LMHeadModel"]
+
+    edit_json(d.hf / "config.json", edit)
+    expected = ["llama", "mistral", "qwen2", "LlamaForCausalLM", "Qwen2ForCausalLM"]
+    return d.hf, [str(d.hf / "config.json"), "'gpt2'", *expected]
+
+
+@case
+def unknown_architecture(d: Dirs):
+    edit_json(d.hf / "config.json", lambda c: c.update(architectures=["LlamaForTokenClass"]))
+    supported = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
+    return d.hf, [str(d.hf / "config.json"), "'LlamaForTokenClass'", *supported]
+
+
+@case
+def mistral_sliding_window(d: Dirs):
+    def edit(c):
+        c.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4096)
+
+    edit_json(d.hf / "config.json", edit)
+    return d.hf, [str(d.hf / "config.json"), "sliding_window=4096", "not supported"]
+
+
+@case
+def qwen2_use_sliding_window(d: Dirs):
+    def edit(c):
+        c.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True)
+
+    edit_json(d.hf / "config.json", edit)
+    return d.hf, [str(d.hf / "config.json"), "use_sliding_window", "not supported"]
+
+
+@case
+def rope_yarn_5x_layout(d: Dirs):
+    def edit(c):
+        c["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+
+    edit_json(d.hf / "config.json", edit)
+    return d.hf, [str(d.hf / "config.json"), "rope_type 'yarn'", "default", "linear", "llama3"]
+
+
+@case
+def rope_yarn_4x_layout(d: Dirs):
+    def edit(c):
+        del c["rope_parameters"]
+        c["rope_theta"], c["rope_scaling"] = 1e4, {"type": "yarn", "factor": 4.0}
+
+    edit_json(d.hf / "config.json", edit)
+    return d.hf, [str(d.hf / "config.json"), "rope_type 'yarn'", "linear", "llama3"]
+
+
+@case
+def config_missing_required_field(d: Dirs):
+    edit_json(d.hf / "config.json", lambda c: c.pop("hidden_size"))
+    return d.hf, [str(d.hf / "config.json"), "'hidden_size'", "missing"]
+
+
+@case
+def corrupt_config_json(d: Dirs):
+    (d.hf / "config.json").write_text('{"model_type": "llama",')
+    return d.hf, ["cannot read", str(d.hf / "config.json")]
+
+
+@case
+def missing_tensor(d: Dirs):
+    edit_tensors(d.hf, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    return d.hf, ["missing tensor", "model.layers.1.mlp.up_proj.weight"]
+
+
+@case
+def wrong_shape_layer_tensor(d: Dirs):
+    name = "model.layers.2.self_attn.k_proj.weight"  # (K*H, D) = (32, 96), stored transposed
+    edit_tensors(d.hf, lambda t: t.update({name: np.ascontiguousarray(t[name].T)}))
+    return d.hf, [repr(name), "shape (96, 32)", "expected (32, 96)"]
+
+
+@case
+def wrong_shape_embedding(d: Dirs):
+    name = "model.embed_tokens.weight"
+    edit_tensors(d.hf, lambda t: t.update({name: t[name][:150]}))
+    return d.hf, [repr(name), "shape (150, 96)", f"expected ({TINY_VOCAB}, 96)"]
+
+
+@case
+def unexpected_tensor(d: Dirs):
+    name = "model.vision_tower.proj.weight"
+    edit_tensors(d.hf, lambda t: t.update({name: np.zeros((4, 4), np.float32)}))
+    return d.hf, ["unexpected tensor", repr(name)]
+
+
+@case
+def tensor_the_config_does_not_use(d: Dirs):
+    name = "model.layers.0.self_attn.o_proj.bias"  # attention_bias is false
+    edit_tensors(d.hf, lambda t: t.update({name: np.zeros(96, np.float32)}))
+    return d.hf, ["unexpected tensor", repr(name), "does not use it"]
+
+
+@case
+def tensor_for_a_layer_beyond_num_hidden_layers(d: Dirs):
+    name = "model.layers.3.mlp.up_proj.weight"
+    edit_tensors(d.hf, lambda t: t.update({name: t["model.layers.0.mlp.up_proj.weight"]}))
+    return d.hf, [repr(name), "layer 3", "3 layers"]
+
+
+@case
+def no_tokenizer_files(d: Dirs):
+    (d.hf / "tokenizer.json").unlink()
+    return d.hf, [str(d.hf), "no tokenizer", "tokenizer.json", "tokenizer.model"]
+
+
+@case
+def corrupt_tokenizer_json(d: Dirs):
+    # Copying it unchecked would produce a checkpoint that cannot be loaded.
+    (d.hf / "tokenizer.json").write_text('{"version": "1.0", "model":')
+    return d.hf, [str(d.hf / "tokenizer.json")]
+
+
+@case
+def tokenizer_config_not_utf8(d: Dirs):
+    (d.hf / "tokenizer_config.json").write_bytes(b"\xff\xfe{\x00}")
+    return d.hf, ["cannot read", str(d.hf / "tokenizer_config.json")]
+
+
+@case
+def corrupt_safetensors(d: Dirs):
+    (d.hf / "model.safetensors").write_bytes(b"this is not a safetensors file" * 10)
+    return d.hf, ["cannot read", str(d.hf / "model.safetensors")]
+
+
+@case
+def truncated_safetensors(d: Dirs):
+    file = d.hf / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    return d.hf, ["cannot read", str(file)]
+
+
+@case
+def corrupt_shard(d: Dirs):
+    path, shards = d.sharded()
+    (path / shards[2]).write_bytes(b"\0" * 64)
+    return path, ["cannot read", str(path / shards[2])]
+
+
+@case
+def source_does_not_exist(d: Dirs):
+    missing = d.tmp / "no" / "such-model"
+    return missing, [str(missing), "does not exist"]
+
+
+@case
+def source_is_neither_directory_nor_gguf(d: Dirs):
+    file = d.tmp / "model.bin"
+    file.write_bytes(b"\0" * 16)
+    return file, [str(file), "neither", ".gguf"]
+
+
+@case
+def corrupt_gguf(d: Dirs):
+    file = d.tmp / "model.gguf"
+    file.write_bytes(b"GGUX" + b"\0" * 60)
+    return file, ["cannot read GGUF file", str(file)]
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_user_error_names_the_problem(tmp_path, src, tiny_hf_4x, capsys, name):
+    """The Python API raises ConversionError with a precise message; the CLI prints exactly that
+    message as one `ksana-jax convert: error:` line and exits 2; nothing is left behind."""
+    source, expected = ERRORS[name](Dirs(src, tmp_path, tiny_hf_4x[0]))
+    parent = tmp_path / "models"
+    parent.mkdir()
+    (parent / "other-model").mkdir()
+    out = parent / "ckpt"
+
+    with pytest.raises(ConversionError) as info:
+        convert(source, out)
+    message = str(info.value)
+    for part in expected:
+        assert part in message, f"{part!r} not in {message!r}"
+    assert "\n" not in message
+
+    capsys.readouterr()
+    assert cli.main(["convert", str(source), str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert captured.out == ""
+    lines = [line for line in error_lines(captured.err) if line.startswith("ksana-jax")]
+    assert lines == [f"{PREFIX} {message}"]
+
+    assert not out.exists()
+    assert sorted(os.listdir(parent)) == ["other-model"]  # no staging directory left behind
+
+
+def test_unsupported_dtype(src, tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    with pytest.raises(ConversionError) as info:
+        convert(src, out, dtype="float16")
+    message = str(info.value)
+    assert "'float16'" in message and "float32" in message and "bfloat16" in message
+    assert not out.exists()
+    with pytest.raises(ConversionError, match="'int8'"):
+        read_source(src, dtype="int8")
+
+    # On the command line argparse rejects it (and a missing argument) the same way.
+    for argv in (["--dtype", "float16"], []):
+        args = ["convert", str(src), *([str(out)] if argv else []), *argv]
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(args)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        last = error_lines(err)[-1]
+        assert last.startswith(PREFIX)
+        assert ("float16" in last) if argv else ("OUTPUT_DIR" in last)
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- OUTPUT_DIR
+
+
+def test_existing_output_dir_is_refused_and_left_untouched(src, tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(out)
+
+    with pytest.raises(ConversionError) as info:
+        convert(src, out)
+    assert str(out) in str(info.value) and "already exists" in str(info.value)
+    assert "--force" in str(info.value)
+    # Checked before the slow part: a bad SOURCE is not even looked at.
+    with pytest.raises(ConversionError, match="already exists"):
+        convert(tmp_path / "no-such-source", out)
+
+    assert cli.main(["convert", str(src), str(out)]) == 2
+    assert error_lines(capsys.readouterr().err)[-1] == f"{PREFIX} {info.value}"
+    assert snapshot(out) == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]
+
+
+def test_force_overwrites_an_existing_output_dir(src, tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    assert convert(src, out, force=True) == out
+    assert sorted(os.listdir(out)) == CHECKPOINT_FILES
+    # Over an existing checkpoint, through the CLI.
+    capsys.readouterr()
+    assert cli.main(["convert", str(src), str(out), "--force"]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out} in ")
+    assert sorted(os.listdir(out)) == CHECKPOINT_FILES
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]
+    assert ksana_jax.load(out).config == ModelConfig.from_hf_dict(read_json(src / "config.json"))
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["parent_is_a_file", "force_over_a_file"])
+def test_output_path_blocked_by_a_regular_file_is_a_user_error(src, tmp_path, capsys, force):
+    """OUTPUT_DIR below a regular file, or --force over a regular file: a one-line error (or,
+    for --force, a replaced file), never a traceback."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("keep")
+    out = blocker / "ckpt" if not force else blocker
+    rc = cli.main(["convert", str(src), str(out), *(["--force"] if force else [])])
+    captured = capsys.readouterr()
+    if force and rc == 0:
+        assert checkpoint.is_checkpoint_dir(out)
+        return
+    assert rc == 2
+    lines = [line for line in error_lines(captured.err) if line.startswith("ksana-jax")]
+    assert len(lines) == 1 and lines[0].startswith(PREFIX)
+    assert str(blocker) in lines[0]
+    assert blocker.read_text() == "keep"
+    assert sorted(os.listdir(tmp_path)) == ["blocker", "hf"]
+
+
+# ----------------------------------------------------------------------------- atomicity
+
+
+@pytest.mark.parametrize(
+    "error", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=["oserror", "ctrlc"]
+)
+def test_failure_while_writing_leaves_no_output_and_no_staging(src, tmp_path, monkeypatch, error):
+    parent = tmp_path / "models"
+    out = parent / "ckpt"
+    seen: dict[str, Path] = {}
+
+    def failing_save_params(path, params):
+        staging = Path(path).parent
+        seen["staging"] = staging
+        assert staging.parent == parent and staging != out
+        assert not out.exists()  # nothing at OUTPUT_DIR while writing
+        # The partial directory already has config.json and the tokenizer but no params/,
+        # so it is not a checkpoint and cannot be loaded as one (or as an HF directory).
+        assert (staging / "config.json").is_file()
+        assert not checkpoint.is_checkpoint_dir(staging)
+        with pytest.raises(ValueError, match="no weights"):
+            ksana_jax.load(staging)
+        Path(path).mkdir()
+        (Path(path) / "half-written").write_bytes(b"\0" * 128)
+        raise error
+
+    monkeypatch.setattr(checkpoint, "save_params", failing_save_params)
+    with pytest.raises(type(error)):
+        convert(src, out)
+    assert not out.exists()
+    assert not seen["staging"].exists()
+    assert os.listdir(parent) == []
+
+
+def test_failed_forced_overwrite_keeps_the_previous_checkpoint(src, tmp_path, monkeypatch):
+    out = convert(src, tmp_path / "ckpt")
+    before = snapshot(out)
+
+    def failing_save_params(path, params):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_params", failing_save_params)
+    with pytest.raises(OSError):
+        convert(src, out, force=True)
+    assert snapshot(out) == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]
+
+
+def test_failure_midway_through_the_tensors_writes_nothing(src, tmp_path):
+    """A bad tensor after many good ones: OUTPUT_DIR never appears, its parent is unchanged."""
+    last = "model.layers.2.mlp.down_proj.weight"
+    edit_tensors(src, lambda t: t.update({last: t[last][:, :-1]}))
+    parent = tmp_path / "models"
+    parent.mkdir()
+    with pytest.raises(ConversionError, match=last):
+        convert(src, parent / "ckpt")
+    assert os.listdir(parent) == []
+
+
+def test_only_a_complete_directory_loads(src, tmp_path):
+    out = convert(src, tmp_path / "ckpt")
+    assert checkpoint.is_checkpoint_dir(out)
+    no_params = Path(shutil.copytree(out, tmp_path / "no-params"))
+    shutil.rmtree(no_params / "params")
+    no_config = Path(shutil.copytree(out, tmp_path / "no-config"))
+    (no_config / "config.json").unlink()
+    for partial in (no_params, no_config):
+        assert not checkpoint.is_checkpoint_dir(partial)
+        with pytest.raises(ValueError, match=str(partial)):
+            ksana_jax.load(partial)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("layout", ["5.x", "4.x"])
+def test_converted_directory_layout(tmp_path, tiny_hf, tiny_hf_4x, layout):
+    source = (tiny_hf if layout == "5.x" else tiny_hf_4x)[0]
+    source_tokenizer_config = read_json(source / "tokenizer_config.json")
+    if layout == "5.x":  # the template lives in its own file ...
+        assert (source / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+        assert "chat_template" not in source_tokenizer_config
+    else:  # ... or inside tokenizer_config.json, and the weights are sharded
+        assert not (source / "chat_template.jinja").exists()
+        assert source_tokenizer_config["chat_template"] == CHAT_TEMPLATE
+        assert (source / "model.safetensors.index.json").is_file()
+
+    out = convert(source, tmp_path / "ckpt")
+    assert out == tmp_path / "ckpt"
+    assert sorted(os.listdir(out)) == CHECKPOINT_FILES
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+    # config.json: reads back to the same ModelConfig as the source's config.json.
+    source_config = ModelConfig.from_hf_dict(read_json(source / "config.json"))
+    assert ModelConfig.from_hf_dict(read_json(out / "config.json")) == source_config
+    assert checkpoint.read_config(out) == source_config
+
+    # Tokenizer: tokenizer.json copied, chat template folded into tokenizer_config.json.
+    assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    tokenizer_config = read_json(out / "tokenizer_config.json")
+    assert tokenizer_config["chat_template"] == CHAT_TEMPLATE
+    for key in ("bos_token", "eos_token", "unk_token"):
+        assert tokenizer_config[key] == source_tokenizer_config[key]
+    assert read_json(out / "generation_config.json") == read_json(source / "generation_config.json")
+
+    # params/: an orbax checkpoint holding exactly the model's arrays, transposed to [in, out].
+    params = checkpoint.load_params(out, source_config, "float32")
+    flat = {k: np.asarray(v) for k, v in llama.params_to_flat(params).items()}
+    assert {k: v.shape for k, v in flat.items()} == llama.param_shapes(source_config)
+    hf = all_tensors(source)
+    np.testing.assert_array_equal(flat["embed"], hf["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(flat["final_norm"], hf["model.norm.weight"])
+    np.testing.assert_array_equal(flat["lm_head"], hf["lm_head.weight"].T)
+    for i in range(source_config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        np.testing.assert_array_equal(
+            flat["layers.wq"][i], hf[prefix + "self_attn.q_proj.weight"].T
+        )
+        np.testing.assert_array_equal(
+            flat["layers.w_down"][i], hf[prefix + "mlp.down_proj.weight"].T
+        )
+        np.testing.assert_array_equal(
+            flat["layers.mlp_norm"][i], hf[prefix + "post_attention_layernorm.weight"]
+        )
+
+    model = ksana_jax.load(out)
+    assert model.dtype == "float32" and model.config == source_config
+    assert model.tokenizer.chat_template == CHAT_TEMPLATE
+    assert model.tokenizer.apply_chat_template([{"role": "user", "content": "w5 w6"}]) == "w5 w6 "
+    assert model.tokenizer.encode("w5 w6") == [5, 6]
+    assert 2 in model.eos_token_ids
+
+
+def test_named_chat_template_list_is_folded_to_the_default(src):
+    (src / "chat_template.jinja").unlink()
+    templates = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    edit_json(src / "tokenizer_config.json", lambda c: c.update(chat_template=templates))
+    source = read_source(src)
+    assert json.loads(source.tokenizer_files["tokenizer_config.json"])["chat_template"] == "D"
+
+
+def test_harmless_extras_are_accepted(src):
+    """rotary_emb.inv_freq buffers and a stored lm_head of a tied model are not errors."""
+
+    def edit(t):
+        t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
+
+    edit_tensors(src, edit)
+    edit_json(src / "config.json", lambda c: c.update(tie_word_embeddings=True))
+    source = read_source(src)
+    assert source.config.tie_word_embeddings and source.params.lm_head is None
+
+
+# ----------------------------------------------------------------------------- CLI processes
+
+
+def run_cli(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_convert_float32_logits_match_transformers(tmp_path, tiny_hf):
+    source, hf_model = tiny_hf
+    out = tmp_path / "ckpt"
+    result = run_cli("checkpoints_tools", source, out, "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout.startswith(f"wrote {out} in ")
+    assert len(result.stdout.splitlines()) == 1
+    assert sorted(os.listdir(out)) == CHECKPOINT_FILES
+    assert read_json(out / "config.json")["torch_dtype"] == "float32"
+
+    model = ksana_jax.load(out)
+    assert model.dtype == "float32"
+    tokens = [int(t) for t in np.random.default_rng(7).integers(3, TINY_VOCAB, 21)]
+    got = model.logits(tokens)
+    assert got.shape == (len(tokens), TINY_VOCAB)
+    np.testing.assert_allclose(got, hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("entry", ["checkpoints_tools", "ksana_jax.cli"])
+@pytest.mark.parametrize("problem", ["missing_source", "wrong_shape"])
+def test_cli_user_error_is_one_stderr_line(tmp_path, src, entry, problem):
+    if problem == "missing_source":
+        source, expected = tmp_path / "nowhere", "does not exist"
+    else:
+        name = "model.layers.1.self_attn.q_proj.weight"
+        edit_tensors(src, lambda t: t.update({name: t[name][:-1]}))
+        source, expected = src, f"tensor {name!r} has shape (95, 96), expected (96, 96)"
+    command = [entry] if entry == "checkpoints_tools" else [entry, "convert"]
+    result = run_cli(*command, source, tmp_path / "ckpt")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(PREFIX) and expected in lines[0]
+    assert not (tmp_path / "ckpt").exists()
+
+
+HELP_MENTIONS = {
+    "convert": ["SOURCE", "OUTPUT_DIR", "--dtype", "float32", "bfloat16", "--force"],
+    "generate": [
+        "MODEL",
+        "PROMPT",
+        "--max-tokens",
+        "--temperature",
+        "--seed",
+        "--chat",
+        "--json",
+        "--dtype",
+        "auto",
+    ],
+}
+
+
+@pytest.mark.parametrize("command", sorted(HELP_MENTIONS))
+def test_cli_help_mentions_every_flag(command):
+    result = run_cli("ksana_jax.cli", command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    text = result.stdout
+    assert text.startswith(f"usage: ksana-jax {command}")
+    for word in HELP_MENTIONS[command]:
+        assert word in text
+    # Every argument the parser defines, so a new flag cannot be left out of this test.
+    subparsers = next(
+        a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    for action in subparsers.choices[command]._actions:
+        for name in action.option_strings or [action.metavar]:
+            assert name in text
