@@ -83,30 +83,40 @@ def dequantize(tensor: Any) -> np.ndarray:
     return np.asarray(values, np.float32).reshape(shape)
 
 
+def _llama_cpp_to_hf(tensor: Any, config: ModelConfig) -> np.ndarray:
+    """The tensor dequantized, with Q/K rows un-permuted where llama.cpp permuted them."""
+    value = dequantize(tensor)
+    name = hf_name(tensor.name)
+    # convert_hf_to_gguf permutes only for the llama architecture (not qwen2).
+    if config.model_type != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+        return value
+    heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+    expected = (heads * config.head_dim, config.hidden_size)
+    if value.shape != expected:
+        raise ConversionError(f"tensor {name!r} has shape {value.shape}, expected {expected}")
+    return unpermute_rows(value, heads)
+
+
 def read_gguf(path: Path, dtype: str = "float32") -> Source:
     """Reads config, dequantized weights (as `dtype`) and tokenizer from a GGUF file."""
     path = Path(path)
     try:
         reader = gguf.GGUFReader(path)
-    except (OSError, ValueError) as e:
+        metadata = read_metadata(reader)
+        names = {t.name for t in reader.tensors}
+    except (OSError, ValueError, IndexError) as e:  # IndexError: a header cut short
         raise ConversionError(f"cannot read GGUF file {path}: {e}") from e
-    metadata = read_metadata(reader)
-    names = {t.name for t in reader.tensors}
     try:
         config = ModelConfig.from_gguf_metadata(metadata, names, dtype=dtype)
     except ValueError as e:
         raise ConversionError(f"{path}: {e}") from e
-    permuted = config.model_type == "llama"  # convert_hf_to_gguf permutes only for llama
 
     assembler = ParamAssembler(config, dtype)
     for tensor in tqdm(reader.tensors, desc=path.name, unit="tensor", leave=False, disable=None):
-        name = hf_name(tensor.name)
-        value = dequantize(tensor)
-        if permuted and name.endswith("q_proj.weight"):
-            value = unpermute_rows(value, config.num_attention_heads)
-        elif permuted and name.endswith("k_proj.weight"):
-            value = unpermute_rows(value, config.num_key_value_heads)
-        assembler.put(name, value)
+        try:
+            assembler.put(hf_name(tensor.name), _llama_cpp_to_hf(tensor, config))
+        except ConversionError as e:
+            raise ConversionError(f"GGUF tensor {tensor.name!r}: {e}") from e
     generation = {"eos_token_id": list(config.eos_token_ids)} if config.eos_token_ids else None
     if generation is not None and config.bos_token_id is not None:
         generation["bos_token_id"] = config.bos_token_id

@@ -63,7 +63,14 @@ _PRE_TOKENIZERS = {
 
 def _special_token(metadata: dict[str, Any], key: str) -> str | None:
     token_id = metadata.get(f"tokenizer.ggml.{key}")
-    return None if token_id is None else metadata["tokenizer.ggml.tokens"][token_id]
+    tokens = metadata["tokenizer.ggml.tokens"]
+    if token_id is None:
+        return None
+    if not 0 <= token_id < len(tokens):
+        raise ConversionError(
+            f"tokenizer.ggml.{key} {token_id} is outside the vocabulary ({len(tokens)} tokens)"
+        )
+    return tokens[token_id]
 
 
 def byte_level_bpe(metadata: dict[str, Any], add_bos: bool) -> tokenizers.Tokenizer:
@@ -76,7 +83,10 @@ def byte_level_bpe(metadata: dict[str, Any], add_bos: bool) -> tokenizers.Tokeni
     tokens = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
     vocab = {token: i for i, token in enumerate(tokens)}
-    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    try:
+        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    except Exception as e:  # tokenizers raises a bare Exception for merges of unknown tokens
+        raise ConversionError(f"invalid tokenizer.ggml.merges: {e}") from e
     tok.pre_tokenizer = _PRE_TOKENIZERS[pre]()
     tok.decoder = decoders.ByteLevel()
     types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -113,6 +123,12 @@ def sentencepiece_model(metadata: dict[str, Any]) -> bytes:
     tokens = metadata["tokenizer.ggml.tokens"]
     scores = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    unknown_types = sorted(set(types) - {1, 2, 3, 4, 5, 6})
+    if unknown_types:
+        raise ConversionError(
+            f"tokenizer.ggml.token_type has unknown values {unknown_types}; "
+            "supported: 1-6 (sentencepiece's piece types)"
+        )
     proto = sp_pb2.ModelProto()
     proto.trainer_spec.model_type = sp_pb2.TrainerSpec.BPE
     proto.trainer_spec.vocab_size = len(tokens)
