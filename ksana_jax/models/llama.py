@@ -114,12 +114,16 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> Llam
 def _decoder_layer(
     cfg: ModelConfig,
     inputs: StepInputs,
-    x: jax.Array,
     kv: jax.Array,
+    x: jax.Array,
     layer_index: jax.Array,
     layer: LayerParams,
 ) -> tuple[jax.Array, jax.Array]:
-    """One decoder layer: x f32[T, D] -> f32[T, D]; writes this layer's K/V into kv."""
+    """One decoder layer: x f32[T, D] -> (f32[T, D], this layer's new K/V f32[2, T, K, H]).
+
+    Reads earlier tokens' K/V from `kv`; the new K/V are returned, not written (see
+    reference.py for why the write happens once after all layers).
+    """
     num_tokens = x.shape[0]
     n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     inv_freq = rope_inv_freq(cfg)
@@ -130,10 +134,13 @@ def _decoder_layer(
     v_new = linear(hidden, layer.wv, layer.bv).reshape(num_tokens, k, h)
     q = apply_rope(q, inputs.positions, inv_freq)
     k_new = apply_rope(k_new, inputs.positions, inv_freq)
+    # Round through the KV dtype so this step attends to exactly what later steps will read.
+    k_new, v_new = k_new.astype(kv.dtype), v_new.astype(kv.dtype)
 
-    kv = reference.write_kv_pages(kv, layer_index, k_new, v_new, inputs.slot_ids)
     attn = reference.ragged_paged_attention(
         q,
+        k_new,
+        v_new,
         kv,
         layer_index,
         inputs.page_table,
@@ -144,7 +151,8 @@ def _decoder_layer(
     x = x + linear(attn.reshape(num_tokens, n * h), layer.wo, layer.bo)
 
     hidden = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    return x + swiglu_mlp(hidden, layer.w_gate, layer.w_up, layer.w_down), kv
+    x = x + swiglu_mlp(hidden, layer.w_gate, layer.w_up, layer.w_down)
+    return x, jnp.stack([k_new, v_new])
 
 
 def forward(
@@ -162,11 +170,12 @@ def forward(
     x = params.embed[inputs.token_ids].astype(jnp.float32)  # [T, D]
 
     def body(carry, layer):
-        x, kv, layer_index = carry
-        x, kv = _decoder_layer(cfg, inputs, x, kv, layer_index, layer)
-        return (x, kv, layer_index + 1), None
+        x, layer_index = carry
+        x, new_kv = _decoder_layer(cfg, inputs, kv, x, layer_index, layer)
+        return (x, layer_index + 1), new_kv
 
-    (x, kv, _), _ = jax.lax.scan(body, (x, kv, jnp.int32(0)), params.layers)
+    (x, _), new_kv = jax.lax.scan(body, (x, jnp.int32(0)), params.layers)  # [L, 2, T, K, H]
+    kv = reference.write_kv_pages(kv, new_kv, inputs.slot_ids)
     return rms_norm(x, params.final_norm, cfg.rms_norm_eps), kv
 
 
