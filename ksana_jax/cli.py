@@ -47,10 +47,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
         help="generate a completion for one prompt",
-        description="Load MODEL (checkpoint directory, HF directory or .gguf) and generate a "
+        description="Load MODEL (checkpoint directory, HF directory, .gguf or `demo`) and "
+        "generate a "
         "completion of PROMPT with jitted chunked prefill and decode on the paged KV.",
     )
-    p.add_argument("model", metavar="MODEL", help="checkpoint directory, HF directory or .gguf")
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="checkpoint directory, HF directory, .gguf file, or `demo` (the "
+        "bundled SmolLM2-135M-Instruct, converted once into the user cache)",
+    )
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument(
@@ -78,8 +84,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     import ksana_jax
+    from ksana_jax.demo import resolve_model
 
-    model = ksana_jax.load(args.model, dtype=args.dtype)
+    model = ksana_jax.load(resolve_model(args.model), dtype=args.dtype)
     tok = model.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])

