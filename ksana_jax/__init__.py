@@ -1,12 +1,27 @@
 """ksana-jax: LLM inference and serving on JAX/XLA.
 
-Public API: `load` (checkpoint directory, HF directory or GGUF -> Model), `ModelConfig`,
-`Tokenizer`, `generate` (single request).
+Public API: `LLM` and `SamplingParams` (offline generation with continuous batching),
+`EngineConfig`, `load` (checkpoint directory, HF directory or GGUF -> Model), `ModelConfig`,
+`Tokenizer`, and `generate` (single request, no scheduler).
 """
 
-from ksana_jax.config import ModelConfig
+from ksana_jax.config import EngineConfig, ModelConfig
 from ksana_jax.generate import generate
+from ksana_jax.llm import LLM
 from ksana_jax.model import Model, load
+from ksana_jax.outputs import CompletionOutput, RequestOutput
+from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.tokenizer import Tokenizer
 
-__all__ = ["Model", "ModelConfig", "Tokenizer", "generate", "load"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "Model",
+    "ModelConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "Tokenizer",
+    "generate",
+    "load",
+]

@@ -288,3 +288,111 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
     )
+
+
+ATTENTION_BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+ENGINE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _geometric(low: int, high: int, factor: int) -> tuple[int, ...]:
+    """low, low*factor, ... below high, then high itself."""
+    values = []
+    v = low
+    while v < high:
+        values.append(v)
+        v *= factor
+    return (*values, high)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The engine's single configuration object (vLLM's names where vLLM has one).
+
+    Shapes of the compiled step come only from three bucket lists: tokens per step (T),
+    sequences per step (S) and context tokens per sequence (P * page_size). Each step is
+    padded up to the smallest bucket of each kind that fits, and warm-up compiles every
+    combination, so serving never compiles. Empty bucket lists are derived from the limits.
+    """
+
+    dtype: str = "auto"  # parameter dtype; auto = the checkpoint's
+    max_model_len: int = 2048  # prompt + output tokens of one request
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # KV pages incl. the sink; None = from kv_cache_memory_gib
+    kv_cache_memory_gib: float | None = None  # KV budget; None = enough for max_num_seqs
+    # full-length sequences, at most 2 GiB
+    max_num_seqs: int = 32  # rows per step
+    max_num_batched_tokens: int = 256  # tokens per step (decode tokens + prefill chunks)
+    token_buckets: tuple[int, ...] = ()
+    seq_buckets: tuple[int, ...] = ()
+    context_buckets: tuple[int, ...] = ()  # multiples of page_size
+    max_logprobs: int = 20  # largest top-N logprobs a request may ask for
+    attention_backend: str = "auto"
+    seed: int = 0  # draws the seeds of requests that give none
+    compilation_cache_dir: str | None = None  # JAX persistent compilation cache
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        for name in (
+            "max_model_len",
+            "page_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_logprobs",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the sink), got {self.num_pages}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        max_context = -(-self.max_model_len // self.page_size) * self.page_size
+        derived = {
+            "token_buckets": _geometric(
+                min(16, self.max_num_batched_tokens), self.max_num_batched_tokens, 4
+            ),
+            "seq_buckets": _geometric(min(8, self.max_num_seqs), self.max_num_seqs, 4),
+            "context_buckets": _geometric(min(128, max_context), max_context, 4),
+        }
+        for name, default in derived.items():
+            buckets = tuple(int(b) for b in (getattr(self, name) or default))
+            object.__setattr__(self, name, buckets)
+            if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+                raise ValueError(f"{name} must be strictly increasing positive ints: {buckets}")
+        limits = {
+            "token_buckets": self.max_num_batched_tokens,
+            "seq_buckets": self.max_num_seqs,
+            "context_buckets": max_context,
+        }
+        for name, limit in limits.items():
+            if getattr(self, name)[-1] != limit:
+                raise ValueError(f"the last of {name} {getattr(self, name)} must equal {limit}")
+        if any(b % self.page_size for b in self.context_buckets):
+            raise ValueError(
+                f"context_buckets {self.context_buckets} must be multiples of "
+                f"page_size {self.page_size}"
+            )
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.context_buckets[-1] // self.page_size
+
+    def bucket_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (T, S, context) step shape warm-up compiles (S <= T: a row has a token)."""
+        return [
+            (t, s, c)
+            for t in self.token_buckets
+            for s in self.seq_buckets
+            for c in self.context_buckets
+            if s <= t
+        ]

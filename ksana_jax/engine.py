@@ -1,0 +1,263 @@
+"""The engine loop: add requests, step, abort -- the only code that drives the device.
+
+    scheduled = scheduler.schedule()      which requests run, how many tokens each
+    sampled = runner.run(chunks)          one jitted call: forward + sampling
+    outputs = postprocess(...)            append tokens, detokenize, stop checks
+
+Requests come in as text or token ids with SamplingParams; a request with n > 1 runs as n
+samples sharing one request id. Outputs are vLLM-shaped RequestOutputs for the requests
+that advanced in the step. Stop strings are matched on the detokenized text (so they may
+span tokens) and are cut from it; until a request finishes, the last characters that could
+still start a stop string are held back from its visible text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Sequence
+
+from ksana_jax.config import EngineConfig
+from ksana_jax.model import Model
+from ksana_jax.outputs import CompletionOutput, RequestOutput
+from ksana_jax.page_manager import PageManager
+from ksana_jax.request import Request
+from ksana_jax.runner import ModelRunner
+from ksana_jax.sampling import SampledTokens
+from ksana_jax.sampling_params import SamplingParams
+from ksana_jax.scheduler import ScheduledChunk, Scheduler
+from ksana_jax.tokenizer import IncrementalDetokenizer
+
+
+@dataclasses.dataclass
+class _Group:
+    """One client request: its prompt and its n samples."""
+
+    request_id: str
+    prompt: str | None
+    samples: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+
+
+@dataclasses.dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, model: Model, config: EngineConfig):
+        if config.max_model_len > model.config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds the model's context "
+                f"({model.config.max_position_embeddings})"
+            )
+        self.model = model
+        self.config = config
+        self.tokenizer = model.tokenizer
+        self.runner = ModelRunner(model, config)
+        self.pages = PageManager(self.runner.num_pages)
+        self.scheduler = Scheduler(
+            self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.stats = EngineStats()
+        self._groups: dict[str, _Group] = {}
+        self._arrivals = itertools.count()
+        self._seeds = random.Random(config.seed)
+        self._eos_ids = frozenset(model.eos_token_ids)
+
+    def warm_up(self, progress: bool = True) -> int:
+        return self.runner.warm_up(progress)
+
+    # ------------------------------------------------------------------ requests
+
+    def make_group(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> _Group:
+        """Validates and tokenizes a request without touching engine state (thread-safe)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        room = self.config.max_model_len - len(token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise ValueError(
+                f"max_tokens ({max_tokens}) + prompt ({len(token_ids)} tokens) exceed "
+                f"max_model_len ({self.config.max_model_len})"
+            )
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(
+                f"logprobs must be <= max_logprobs ({self.config.max_logprobs}), "
+                f"got {params.logprobs}"
+            )
+        params = dataclasses.replace(params, max_tokens=max_tokens)
+        samples = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=list(token_ids),
+                params=params,
+                seed=0,
+                parent_id=request_id,
+                index=i,
+                priority=priority,
+            )
+            for i in range(params.n)
+        ]
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            for _ in samples
+        ]
+        return _Group(request_id, text, samples, detoks)
+
+    def add_group(self, group: _Group) -> None:
+        if group.request_id in self._groups:
+            raise ValueError(f"request_id {group.request_id!r} is already running")
+        for sample in group.samples:
+            params = sample.params
+            sample.seed = (
+                (params.seed + sample.index) % 2**32
+                if params.seed is not None
+                else self._seeds.getrandbits(32)
+            )
+            sample.arrival = next(self._arrivals)
+            self.scheduler.add(sample)
+        self._groups[group.request_id] = group
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> None:
+        self.add_group(self.make_group(request_id, prompt, params, priority))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request at any point, freeing all its pages; None if it is unknown."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        for sample in group.samples:
+            if not sample.is_finished:
+                self.scheduler.finish(sample, "abort")
+        return self._output(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        self.stats.preemptions += len(scheduled.preempted)
+        if not scheduled.chunks:
+            return []
+        sampled = self.runner.run(scheduled.chunks)
+        self.stats.steps += 1
+        return self._postprocess(scheduled.chunks, sampled)
+
+    def _postprocess(
+        self, chunks: list[ScheduledChunk], sampled: SampledTokens
+    ) -> list[RequestOutput]:
+        advanced: dict[str, _Group] = {}
+        for row, chunk in enumerate(chunks):
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_tokens
+            if not chunk.samples:
+                continue
+            if len(request.output_token_ids) == 0:
+                self.stats.prompt_tokens += len(request.prompt_token_ids)
+            self.stats.generation_tokens += 1
+            group = self._groups[request.parent_id]
+            self._append_token(request, group.detokenizers[request.index], sampled, row)
+            advanced[group.request_id] = group
+        outputs = [self._output(group) for group in advanced.values()]
+        for out in outputs:
+            if out.finished:
+                del self._groups[out.request_id]
+        return outputs
+
+    def _append_token(
+        self, request: Request, detok: IncrementalDetokenizer, sampled: SampledTokens, row: int
+    ) -> None:
+        params = request.params
+        token = int(sampled.token_ids[row])
+        request.output_token_ids.append(token)
+        if params.logprobs is not None:
+            top = zip(
+                sampled.top_ids[row, : params.logprobs].tolist(),
+                sampled.top_logprobs[row, : params.logprobs].tolist(),
+                strict=True,
+            )
+            entry = dict(top)
+            entry[token] = float(sampled.logprobs[row])
+            request.output_logprobs.append(entry)
+        num_out = len(request.output_token_ids)
+        can_stop = num_out > params.min_tokens or num_out == params.max_tokens
+        if can_stop and (
+            token in params.stop_token_ids or (token in self._eos_ids and not params.ignore_eos)
+        ):
+            self.scheduler.finish(request, "stop")
+            return
+        delta = detok.add(token)
+        request.text += delta
+        if can_stop and delta and params.stop:
+            for stop in params.stop:
+                start = max(0, len(request.text) - len(delta) - len(stop) + 1)
+                at = request.text.find(stop, start)
+                if at >= 0:
+                    end = at + len(stop) if params.include_stop_str_in_output else at
+                    request.text = request.text[:end]
+                    self.scheduler.finish(request, "stop")
+                    return
+        if num_out >= params.max_tokens:
+            self.scheduler.finish(request, "length")
+
+    def _output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for sample in group.samples:
+            text = sample.text
+            if not sample.is_finished and sample.params.stop:
+                hold = max(len(s) for s in sample.params.stop) - 1
+                text = text[: len(text) - hold] if hold else text
+            completions.append(
+                CompletionOutput(
+                    index=sample.index,
+                    text=text,
+                    token_ids=list(sample.output_token_ids),
+                    logprobs=list(sample.output_logprobs)
+                    if sample.params.logprobs is not None
+                    else None,
+                    finish_reason=sample.finish_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.samples[0].prompt_token_ids,
+            outputs=completions,
+            finished=all(s.is_finished for s in group.samples),
+        )

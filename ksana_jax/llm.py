@@ -1,0 +1,121 @@
+"""Offline API for notebooks and scripts: `LLM(model).generate(prompts, params)`.
+
+    llm = LLM("demo", max_model_len=1024)
+    outs = llm.generate(["Hello", "The sky is"], SamplingParams(temperature=0, max_tokens=16))
+    for out in llm.stream("Once upon a time"): print(out.outputs[0].text)
+
+`LLM` loads the model (anything `ksana_jax.load` accepts, or `demo`), builds the engine from
+EngineConfig fields given as keyword arguments, and compiles every step bucket up front.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+from tqdm import tqdm
+
+from ksana_jax.config import EngineConfig
+from ksana_jax.demo import resolve_model
+from ksana_jax.engine import LLMEngine
+from ksana_jax.model import Model, load
+from ksana_jax.outputs import RequestOutput
+from ksana_jax.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Conversation = Sequence[Mapping[str, Any]]
+
+
+def engine_config(**fields: Any) -> EngineConfig:
+    """EngineConfig from keyword arguments; an unknown name is a ValueError naming it."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+    return EngineConfig(**fields)
+
+
+class LLM:
+    def __init__(self, model: str | Path | Model, warm_up: bool = True, **config: Any):
+        self.config = engine_config(**config)
+        if self.config.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", self.config.compilation_cache_dir)
+        if not isinstance(model, Model):
+            model = load(resolve_model(str(model)), dtype=self.config.dtype)
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.engine = LLMEngine(model, self.config)
+        self._ids = itertools.count()
+        if warm_up:
+            self.engine.warm_up()
+
+    def _add(self, prompt: Prompt, params: SamplingParams | None) -> str:
+        request_id = f"llm-{next(self._ids)}"
+        self.engine.add_request(request_id, prompt, params)
+        return request_id
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs all prompts with continuous batching; outputs in the order of `prompts`."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = (
+            list(sampling_params)
+            if isinstance(sampling_params, Sequence)
+            else [sampling_params] * len(prompts)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        ids = [self._add(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                add_special_tokens=False,
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yields the request's output after every step that advanced it, until it finishes.
+
+        Other requests already in the engine keep running alongside.
+        """
+        request_id = self._add(prompt, sampling_params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(request_id)

@@ -1,0 +1,55 @@
+"""One request's host-side state (no jax): tokens, pages, progress, and outputs.
+
+A request with `n > 1` samples is run as n `Request`s (one per sample) that share the
+parent's id; each holds its own pages, output tokens and detokenizer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ksana_jax.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str  # unique per sample: "<parent id>" or "<parent id>#<index>"
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # resolved seed (params.seed + index, or drawn by the engine)
+    parent_id: str = ""
+    index: int = 0  # sample index within the parent (n > 1)
+    priority: int = 0  # lower runs first (vLLM's convention); ties by arrival
+    arrival: int = 0  # engine-wide sequence number
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    page_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in this request's pages
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    text: str = ""  # detokenized output (host postprocessing fills it)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: priority first, then first come first served."""
+        return (self.priority, self.arrival)

@@ -1,0 +1,163 @@
+"""The device side of a step: pad the scheduled batch to a bucket, run one jitted call.
+
+In: the scheduler's chunks (host lists). Out: one sampled token (+ logprobs) per row, as
+numpy. The runner owns the params and the KV array; the jitted step (forward + sampling)
+takes the KV donated and returns it, so it is updated in place. Every step is padded to a
+(T tokens, S sequences, context) bucket from EngineConfig; `warm_up` compiles all of them
+first, so a serving workload never compiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from ksana_jax.config import EngineConfig, ModelConfig
+from ksana_jax.kv_cache import KVCacheSpec, allocate_kv, num_pages_for_budget
+from ksana_jax.model import Model
+from ksana_jax.models import llama
+from ksana_jax.sampling import SampledTokens, SamplingInputs, sample
+from ksana_jax.scheduler import ScheduledChunk
+from ksana_jax.step_inputs import SequenceChunk, StepInputs, build_step_inputs
+
+GIB = 1 << 30
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_logprobs"), donate_argnames=("kv",))
+def engine_step(
+    params: llama.LlamaParams,
+    cfg: ModelConfig,
+    kv: jax.Array,
+    inputs: StepInputs,
+    sampling: SamplingInputs,
+    max_logprobs: int,
+) -> tuple[SampledTokens, jax.Array]:
+    """Forward over the ragged batch, then sample each row's last token."""
+    hidden, kv = llama.forward(params, cfg, kv, inputs)
+    last = jnp.maximum(inputs.query_starts[1:] - 1, 0)  # [S]
+    logits = llama.logits(params, hidden[last])
+    return sample(logits, sampling, max_logprobs), kv
+
+
+def _bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} {what} exceed the largest bucket {buckets[-1]}")
+
+
+def resolve_num_pages(config: EngineConfig, model_config: ModelConfig, dtype: str) -> int:
+    """Pages for the KV array: explicit, from the GiB budget, or a bounded default."""
+    if config.num_pages is not None:
+        return config.num_pages
+    if config.kv_cache_memory_gib is not None:
+        budget = int(config.kv_cache_memory_gib * GIB)
+    else:
+        full = KVCacheSpec.for_model(model_config, 2, config.page_size, dtype).bytes_per_page
+        budget = min(2 * GIB, full * (config.max_num_seqs * config.max_pages_per_seq + 1))
+    return num_pages_for_budget(model_config, config.page_size, dtype, budget)
+
+
+class ModelRunner:
+    def __init__(self, model: Model, config: EngineConfig):
+        self.model = model
+        self.config = config
+        self.num_pages = resolve_num_pages(config, model.config, model.dtype)
+        if self.num_pages - 1 < config.max_pages_per_seq:
+            raise ValueError(
+                f"the KV cache has {self.num_pages - 1} usable pages, fewer than the "
+                f"{config.max_pages_per_seq} one max_model_len={config.max_model_len} sequence "
+                "needs; raise num_pages / kv_cache_memory_gib or lower max_model_len"
+            )
+        self.kv_spec = KVCacheSpec.for_model(
+            model.config, self.num_pages, config.page_size, model.dtype
+        )
+        self.kv = allocate_kv(self.kv_spec)
+
+    def run(self, chunks: list[ScheduledChunk]) -> SampledTokens:
+        """Runs one step; returns each chunk's sampled token and logprobs (numpy, [rows])."""
+        inputs, sampling = self._prepare(chunks)
+        out, self.kv = engine_step(
+            self.model.params,
+            self.model.config,
+            self.kv,
+            inputs,
+            sampling,
+            self.config.max_logprobs,
+        )
+        out = jax.device_get(out)
+        n = len(chunks)
+        return SampledTokens(
+            out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n]
+        )
+
+    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[StepInputs, SamplingInputs]:
+        cfg = self.config
+        num_tokens = _bucket(cfg.token_buckets, sum(c.num_tokens for c in chunks), "tokens")
+        num_seqs = _bucket(cfg.seq_buckets, len(chunks), "sequences")
+        context = _bucket(
+            cfg.context_buckets, max(c.start + c.num_tokens for c in chunks), "context tokens"
+        )
+        inputs = build_step_inputs(
+            [SequenceChunk(c.token_ids, c.start, c.request.page_ids) for c in chunks],
+            cfg.page_size,
+            num_tokens,
+            num_seqs,
+            context // cfg.page_size,
+        )
+        return inputs, self._sampling_inputs([c.request for c in chunks], num_seqs)
+
+    def _sampling_inputs(self, requests, num_seqs: int) -> SamplingInputs:
+        def column(values, dtype, pad):
+            out = np.full(num_seqs, pad, dtype)
+            out[: len(values)] = values
+            return out
+
+        params = [r.params for r in requests]
+        history = np.full((num_seqs, self.config.max_model_len), -1, np.int32)
+        for i, r in enumerate(requests):
+            ids = r.all_token_ids
+            history[i, : len(ids)] = ids
+        return SamplingInputs(
+            temperature=column([p.temperature for p in params], np.float32, 0.0),
+            top_k=column([p.top_k for p in params], np.int32, 0),
+            top_p=column([p.top_p for p in params], np.float32, 1.0),
+            min_p=column([p.min_p for p in params], np.float32, 0.0),
+            repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1.0),
+            presence_penalty=column([p.presence_penalty for p in params], np.float32, 0.0),
+            frequency_penalty=column([p.frequency_penalty for p in params], np.float32, 0.0),
+            seeds=column([r.seed for r in requests], np.uint32, 0),
+            num_generated=column([len(r.output_token_ids) for r in requests], np.int32, 0),
+            history_ids=history,
+            num_prompt_tokens=column([len(r.prompt_token_ids) for r in requests], np.int32, 0),
+        )
+
+    def warm_up(self, progress: bool = True) -> int:
+        """Compiles (by running on padding only) every bucket shape; returns how many."""
+        shapes = self.config.bucket_shapes()
+        for num_tokens, num_seqs, context in tqdm(
+            shapes, desc="warm-up", unit="bucket", disable=not progress
+        ):
+            inputs = build_step_inputs(
+                [], self.config.page_size, num_tokens, num_seqs, context // self.config.page_size
+            )
+            sampling = self._sampling_inputs([], num_seqs)
+            out, self.kv = engine_step(
+                self.model.params,
+                self.model.config,
+                self.kv,
+                inputs,
+                sampling,
+                self.config.max_logprobs,
+            )
+            jax.block_until_ready(out)
+        return len(shapes)
+
+
+def compile_count() -> int:
+    """Entries in the engine step's jit cache (one per compiled shape)."""
+    return engine_step._cache_size()

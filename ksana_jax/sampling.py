@@ -1,0 +1,127 @@
+"""On-device sampling inside the jitted step: penalties, temperature, top-k/top-p/min-p,
+per-request seeds, and top-N logprobs.
+
+Every option is data (a per-row array), never structure, so one compiled step serves any
+mix of requests. A row's randomness is `fold_in(key(seed), num_generated)` and its noise is
+indexed by token id, so a request's tokens depend only on its seed and its own history,
+not on what else is in the batch. Logprobs are those of the model's raw distribution
+(before penalties and temperature), as vLLM returns them by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seeds",
+        "num_generated",
+        "history_ids",
+        "num_prompt_tokens",
+    ],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class SamplingInputs:
+    temperature: jax.Array  # f32[S]  0 = greedy
+    top_k: jax.Array  # i32[S]  <= 0 = disabled
+    top_p: jax.Array  # f32[S]  1 = disabled
+    min_p: jax.Array  # f32[S]  0 = disabled
+    repetition_penalty: jax.Array  # f32[S]  1 = disabled
+    presence_penalty: jax.Array  # f32[S]
+    frequency_penalty: jax.Array  # f32[S]
+    seeds: jax.Array  # u32[S]
+    num_generated: jax.Array  # i32[S]  output tokens so far (the step's noise index)
+    history_ids: jax.Array  # i32[S, M]  prompt then output tokens, padded with -1
+    num_prompt_tokens: jax.Array  # i32[S]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["token_ids", "logprobs", "top_ids", "top_logprobs"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class SampledTokens:
+    token_ids: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S]     raw logprob of each sampled token
+    top_ids: jax.Array  # i32[S, N]  N = EngineConfig.max_logprobs
+    top_logprobs: jax.Array  # f32[S, N]
+
+
+def apply_penalties(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    """Repetition (prompt + output tokens), presence and frequency (output tokens) penalties."""
+    num_seqs, vocab = logits.shape
+    history = s.history_ids
+    valid = history >= 0
+    is_output = jnp.arange(history.shape[1])[None, :] >= s.num_prompt_tokens[:, None]
+    rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], history.shape)
+    ids = jnp.where(valid, history, vocab)  # out of range: dropped by the scatter
+    seen = jnp.zeros((num_seqs, vocab), jnp.bool_).at[rows, ids].set(True, mode="drop")
+    output_counts = (
+        jnp.zeros((num_seqs, vocab), jnp.float32)
+        .at[rows, ids]
+        .add(jnp.where(is_output, 1.0, 0.0), mode="drop")
+    )
+    rp = s.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    logits -= s.frequency_penalty[:, None] * output_counts
+    return logits - s.presence_penalty[:, None] * (output_counts > 0)
+
+
+def _filter(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    """Temperature-scaled logits with tokens outside top-k / top-p / min-p set to -inf."""
+    logits = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+    vocab = logits.shape[1]
+    sorted_logits = -jnp.sort(-logits, axis=-1)  # descending
+    # top-k: keep logits >= the k-th largest.
+    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    # top-p: keep the smallest prefix whose mass reaches p (the first token always kept).
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    num_kept = jnp.sum(mass_before < s.top_p[:, None], axis=-1)
+    pth = jnp.take_along_axis(sorted_logits, (jnp.maximum(num_kept, 1) - 1)[:, None], axis=-1)
+    # min-p: keep tokens with prob >= min_p * max prob, i.e. logit >= max + log(min_p).
+    mth = sorted_logits[:, :1] + jnp.log(jnp.maximum(s.min_p, 1e-30))[:, None]
+    threshold = jnp.maximum(jnp.maximum(kth, pth), mth)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def _row_noise(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
+    return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+
+def sample(logits: jax.Array, s: SamplingInputs, max_logprobs: int) -> SampledTokens:
+    """Samples one token per row of logits f32[S, V]."""
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logits = apply_penalties(logits, s)
+    greedy = s.temperature == 0.0
+    vocab = logits.shape[1]
+
+    def random_tokens(logits):
+        noise = jax.vmap(_row_noise, in_axes=(0, 0, None))(s.seeds, s.num_generated, vocab)
+        return jnp.argmax(_filter(logits, s) + noise, axis=-1).astype(jnp.int32)
+
+    # Sorting the vocabulary is the expensive part; an all-greedy batch skips it.
+    sampled = jax.lax.cond(
+        jnp.all(greedy), lambda x: jnp.zeros(x.shape[0], jnp.int32), random_tokens, logits
+    )
+    token_ids = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, max_logprobs)
+    chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
+    return SampledTokens(token_ids, chosen, top_ids.astype(jnp.int32), top_logprobs)
