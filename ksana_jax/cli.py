@@ -48,7 +48,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="generate a completion for one prompt",
         description="Load MODEL (checkpoint directory, HF directory, .gguf or `demo`) and "
-        "generate a "
+        "generate through the engine (continuous-batching scheduler, paged KV) a "
         "completion of PROMPT with jitted chunked prefill and decode on the paged KV.",
     )
     p.add_argument(
@@ -83,29 +83,36 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    import ksana_jax
+    from ksana_jax import LLM, SamplingParams, load
     from ksana_jax.demo import resolve_model
 
-    model = ksana_jax.load(resolve_model(args.model), dtype=args.dtype)
+    model = load(resolve_model(args.model), dtype=args.dtype)
     tok = model.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
         prompt_ids = tok.encode(text, add_special_tokens=False)
     else:
         prompt_ids = tok.encode(args.prompt)
-    token_ids = ksana_jax.generate(
-        model, prompt_ids, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    max_model_len = min(
+        model.config.max_position_embeddings, max(2048, len(prompt_ids) + args.max_tokens)
     )
-    text = tok.decode(token_ids, skip_special_tokens=True)
+    # One request: compile only the shapes it uses instead of warming up every bucket.
+    llm = LLM(
+        model, warm_up=False, max_model_len=max_model_len, max_num_seqs=1, max_num_batched_tokens=64
+    )
+    params = SamplingParams(
+        temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens
+    )
+    out = llm.generate([prompt_ids], params, use_tqdm=False)[0].outputs[0]
     if args.json:
         print(
             json.dumps(
-                {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "text": text},
+                {"prompt_token_ids": prompt_ids, "token_ids": out.token_ids, "text": out.text},
                 ensure_ascii=False,
             )
         )
     else:
-        print(text)
+        print(out.text)
     return 0
 
 

@@ -1,0 +1,122 @@
+"""The asyncio face of the engine, for the server.
+
+One background thread owns the LLMEngine and the device: it applies queued commands (add,
+abort), runs `engine.step()` while there is work, and hands each RequestOutput to the
+asyncio queue of its request on that request's event loop. `add_request` validates and
+tokenizes in the caller (so bad input raises right there, before anything is queued) and
+returns an async iterator of outputs; leaving the iterator early (e.g. a client
+disconnect) aborts the request, which frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from ksana_jax.engine import LLMEngine
+from ksana_jax.outputs import RequestOutput
+from ksana_jax.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an unexpected error; no request can proceed."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ksana-engine", daemon=True)
+        self._thread.start()
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queues a request; returns an async iterator of its outputs (last one finished)."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        group = self.engine.make_group(request_id, prompt, params, priority)
+        outputs: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already running")
+            self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+
+        def add() -> None:
+            try:
+                self.engine.add_group(group)
+            except ValueError as e:  # e.g. the id is still held by a request being aborted
+                self._deliver(e, request_id)
+
+        self._commands.put(add)
+        return self._iterate(request_id, outputs)
+
+    async def _iterate(
+        self, request_id: str, outputs: asyncio.Queue
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, ValueError):
+                    finished = True
+                    raise item
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine stopped: {item!r}") from item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request from any thread; its pages are freed by the engine thread."""
+        with self._lock:
+            self._streams.pop(request_id, None)
+        self._commands.put(lambda: self.engine.abort_request(request_id))
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout=30)
+
+    def _deliver(self, output: RequestOutput | BaseException, request_id: str) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+            if target is not None and (isinstance(output, BaseException) or output.finished):
+                del self._streams[request_id]
+        if target is not None:
+            loop, outputs = target
+            loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                # Block for a command only when there is nothing to compute.
+                block = not self.engine.has_unfinished_requests()
+                try:
+                    command = self._commands.get(block=block)
+                    command()
+                    while True:
+                        self._commands.get_nowait()()
+                except queue.Empty:
+                    pass
+                for output in self.engine.step():
+                    self._deliver(output, output.request_id)
+        except BaseException as e:  # surface to every waiting client, never hang them
+            self.error = e
+            with self._lock:
+                pending = list(self._streams)
+            for request_id in pending:
+                self._deliver(e, request_id)
+            raise
