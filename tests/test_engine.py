@@ -1,0 +1,258 @@
+"""The whole engine path on a tiny random model: continuous batching, chunked prefill and
+preemption give the same greedy tokens as one request at a time; seeded sampling is
+batch-invariant; nothing compiles after warm-up; aborts free every page."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY_VOCAB, write_tiny_hf
+
+import ksana_jax
+from ksana_jax import LLM, SamplingParams
+from ksana_jax.runner import compile_count
+
+# Gaps between the top two logits below this are float-noise ties: batch shape may flip them.
+TIE = 1e-4
+RNG = np.random.default_rng(11)
+PROMPTS = [[int(t) for t in RNG.integers(3, TINY_VOCAB, n)] for n in (1, 5, 17, 33, 64, 9)]
+BASE = dict(
+    max_model_len=256,
+    page_size=4,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    context_buckets=(64, 256),
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "hf"
+    # A wider init than usual gives peaked logits, so greedy ties are rare (and handled).
+    write_tiny_hf(path, initializer_range=0.2, eos_token_id=None)
+    return ksana_jax.load(path)
+
+
+def assert_same_greedy(model, prompt, got, want):
+    """Token lists equal, or equal up to a position where the reference had a true tie."""
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            logits = model.logits(list(prompt) + list(want[:i]))[-1]
+            top2 = np.sort(logits)[-2:]
+            assert top2[1] - top2[0] < TIE, f"diverged at {i}: {got} vs {want}"
+            return
+    assert len(got) == len(want)
+
+
+def alone(model, prompt, max_tokens):
+    return ksana_jax.generate(model, prompt, max_tokens=max_tokens, stop_token_ids=[])
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(tiny_model):
+    return [alone(tiny_model, p, 12) for p in PROMPTS]
+
+
+# 29 usable pages of 4 tokens, while the prompts and outputs above need about 55.
+SMALL_POOL = {"num_pages": 30, "max_model_len": 96, "context_buckets": (32, 96)}
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # everything at once, chunked prefill under a 64-token budget
+        {"max_num_batched_tokens": 16, "token_buckets": (16,)},  # small chunks
+        {"max_num_batched_tokens": 32, "max_num_seqs": 2, "seq_buckets": (2,)},
+        SMALL_POOL,  # too small for all at once: preemption
+    ],
+    ids=["batched", "chunks16", "two_rows", "preemption"],
+)
+def test_batched_greedy_equals_one_at_a_time(tiny_model, reference_outputs, overrides):
+    llm = LLM(tiny_model, warm_up=False, **(BASE | overrides))
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, out, want in zip(PROMPTS, outs, reference_outputs, strict=True):
+        assert out.outputs[0].finish_reason == "length"
+        assert_same_greedy(tiny_model, prompt, out.outputs[0].token_ids, want)
+    if "num_pages" in overrides:
+        assert llm.engine.stats.preemptions > 0
+    assert llm.engine.pages.num_free == llm.engine.pages.num_usable
+
+
+def test_seeded_sampling_does_not_depend_on_batch_mates(tiny_model):
+    llm = LLM(tiny_model, warm_up=False, **BASE)
+    params = SamplingParams(
+        temperature=0.9, top_k=20, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True
+    )
+    alone_out = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0].token_ids
+    mates = SamplingParams(
+        temperature=1.3, seed=7, max_tokens=14, ignore_eos=True, presence_penalty=0.5
+    )
+    for mix in ([PROMPTS[2], PROMPTS[4]], [PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[5]]):
+        outs = llm.generate(
+            mix, [params if p is PROMPTS[2] else mates for p in mix], use_tqdm=False
+        )
+        got = next(o for o, p in zip(outs, mix, strict=True) if p is PROMPTS[2])
+        assert got.outputs[0].token_ids == alone_out
+    # Under preemption too (recompute must not replay different noise).
+    small = LLM(tiny_model, warm_up=False, **(BASE | SMALL_POOL))
+    outs = small.generate(PROMPTS, [params] * len(PROMPTS), use_tqdm=False)
+    assert small.engine.stats.preemptions > 0
+    assert outs[2].outputs[0].token_ids == alone_out
+
+
+def test_n_samples_use_consecutive_seeds(tiny_model):
+    llm = LLM(tiny_model, warm_up=False, **BASE)
+    params = SamplingParams(n=3, temperature=1.0, seed=40, max_tokens=8, ignore_eos=True)
+    out = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for c in out.outputs:
+        single = SamplingParams(temperature=1.0, seed=40 + c.index, max_tokens=8, ignore_eos=True)
+        want = llm.generate([PROMPTS[1]], single, use_tqdm=False)[0].outputs[0].token_ids
+        assert c.token_ids == want
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_no_compilation_after_warm_up(tiny_model):
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: (
+            compiles.append(event)
+            if event == "/jax/core/compile/backend_compile_duration"
+            else None
+        )
+    )
+    llm = LLM(tiny_model, **(BASE | {"num_pages": 70}))
+    warm = compile_count()
+    assert warm >= len(llm.config.bucket_shapes())
+    compiles.clear()
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    variants = [
+        SamplingParams(temperature=0, max_tokens=5),
+        SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=9, logprobs=3),
+        SamplingParams(
+            temperature=1.0,
+            top_p=0.5,
+            min_p=0.1,
+            max_tokens=7,
+            repetition_penalty=1.3,
+            frequency_penalty=0.4,
+            logprobs=0,
+        ),
+        SamplingParams(n=2, temperature=0.7, max_tokens=6, stop=["w1"], min_tokens=2),
+    ]
+    for i in range(24):
+        prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, int(rng.integers(1, 120)))]
+        engine.add_request(f"r{i}", prompt, variants[i % len(variants)], priority=i % 3)
+        if i % 5 == 4:
+            engine.step()
+            engine.abort_request(f"r{i - 2}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats.preemptions > 0
+    assert compile_count() == warm
+    assert compiles == []
+    assert engine.pages.num_free == engine.pages.num_usable
+
+
+def test_abort_frees_pages_at_any_point(tiny_model):
+    llm = LLM(
+        tiny_model, warm_up=False, **(BASE | {"max_num_batched_tokens": 16, "token_buckets": (16,)})
+    )
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"a{i}", p, SamplingParams(temperature=0, max_tokens=30))
+    engine.step()  # the 64-token prompt is mid-prefill, others waiting or decoding
+    assert engine.abort_request("a4").finished
+    for _ in range(3):
+        engine.step()
+    for i in range(len(PROMPTS)):
+        engine.abort_request(f"a{i}")
+    assert not engine.has_unfinished_requests()
+    assert engine.pages.num_free == engine.pages.num_usable
+    assert engine.abort_request("a0") is None  # unknown now
+
+
+def test_limits_and_stops(tiny_model):
+    llm = LLM(tiny_model, warm_up=False, **BASE)
+    prompt = PROMPTS[3]
+    free_run = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    tokens = free_run.token_ids
+    # stop_token_ids: ends at the first occurrence, token kept in token_ids.
+    stop_at = tokens[4]
+    first = tokens.index(stop_at)
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]),
+        use_tqdm=False,
+    )
+    assert out[0].outputs[0].token_ids == tokens[: first + 1]
+    assert out[0].outputs[0].finish_reason == "stop"
+    # min_tokens defers that stop.
+    out = llm.generate(
+        [prompt],
+        SamplingParams(
+            temperature=0, max_tokens=12, min_tokens=first + 2, stop_token_ids=[stop_at]
+        ),
+        use_tqdm=False,
+    )
+    assert len(out[0].outputs[0].token_ids) >= first + 2
+    # A stop string spanning tokens is cut from the text.
+    text = free_run.text
+    stop = text[len(text) // 2 - 3 : len(text) // 2 + 3]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.find(stop)]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=12, stop=stop, include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.text == text[: text.find(stop) + len(stop)]
+
+
+def test_logprobs_are_the_models(tiny_model):
+    llm = LLM(tiny_model, warm_up=False, **BASE)
+    prompt = PROMPTS[2]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.7, seed=3, max_tokens=4, logprobs=3), use_tqdm=False
+    )[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        logits = tiny_model.logits(prompt + out.token_ids[:i])[-1].astype(np.float64)
+        ref = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+        assert token in entry and 3 <= len(entry) <= 4
+        for tid, lp in entry.items():
+            assert abs(lp - ref[tid]) < 1e-4
+        assert set(np.argsort(ref)[-3:]) <= set(entry)
+
+
+def test_bad_requests_are_value_errors_and_leave_nothing(tiny_model):
+    llm = LLM(tiny_model, warm_up=False, **BASE)
+    engine = llm.engine
+    cases = [
+        ([], SamplingParams(), "at least one token"),
+        ([TINY_VOCAB + 5], SamplingParams(), "outside the vocabulary"),
+        (PROMPTS[4], SamplingParams(max_tokens=250), "max_model_len"),
+        (PROMPTS[0], SamplingParams(logprobs=50), "max_logprobs"),
+    ]
+    for prompt, params, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("bad", prompt, params)
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="unknown engine option"):
+        LLM(tiny_model, warm_up=False, max_num_sequences=4)
+
+
+def test_stream_and_chat(tiny_model):
+    llm = LLM(tiny_model, warm_up=False, **BASE)
+    steps = list(llm.stream(PROMPTS[1], GREEDY))
+    assert steps[-1].finished and not steps[0].finished
+    lengths = [len(s.outputs[0].token_ids) for s in steps]
+    assert lengths == sorted(lengths) and lengths[-1] == 12
+    chat = llm.chat([{"role": "user", "content": "w5 w6"}], GREEDY, use_tqdm=False)[0]
+    template = llm.tokenizer.apply_chat_template([{"role": "user", "content": "w5 w6"}])
+    assert chat.prompt_token_ids == llm.tokenizer.encode(template, add_special_tokens=False)
