@@ -23,7 +23,7 @@ from ksana_jax.model import Model
 from ksana_jax.outputs import CompletionOutput, RequestOutput
 from ksana_jax.page_manager import PageManager
 from ksana_jax.request import Request
-from ksana_jax.runner import ModelRunner
+from ksana_jax.runner import MAX_SUPPRESSED_IDS, ModelRunner, suppressed_ids
 from ksana_jax.sampling import SampledTokens
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.scheduler import ScheduledChunk, Scheduler
@@ -104,6 +104,13 @@ class LLMEngine:
             raise ValueError(
                 f"logprobs must be <= max_logprobs ({self.config.max_logprobs}), "
                 f"got {params.logprobs}"
+            )
+        if params.min_tokens and len(suppressed_ids(params, self.model.eos_token_ids)) > (
+            MAX_SUPPRESSED_IDS
+        ):
+            raise ValueError(
+                f"with min_tokens, at most {MAX_SUPPRESSED_IDS} stop_token_ids + "
+                f"EOS ids are supported, got {len(params.stop_token_ids)} stop ids"
             )
         params = dataclasses.replace(params, max_tokens=max_tokens)
         samples = [

@@ -21,10 +21,12 @@ from ksana_jax.kv_cache import KVCacheSpec, allocate_kv, num_pages_for_budget
 from ksana_jax.model import Model
 from ksana_jax.models import llama
 from ksana_jax.sampling import SampledTokens, SamplingInputs, sample
+from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.scheduler import ScheduledChunk
 from ksana_jax.step_inputs import SequenceChunk, StepInputs, build_step_inputs
 
 GIB = 1 << 30
+MAX_SUPPRESSED_IDS = 8  # EOS + stop_token_ids banned while a request is below min_tokens
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_logprobs"), donate_argnames=("kv",))
@@ -60,6 +62,12 @@ def resolve_num_pages(config: EngineConfig, model_config: ModelConfig, dtype: st
         full = KVCacheSpec.for_model(model_config, 2, config.page_size, dtype).bytes_per_page
         budget = min(2 * GIB, full * (config.max_num_seqs * config.max_pages_per_seq + 1))
     return num_pages_for_budget(model_config, config.page_size, dtype, budget)
+
+
+def suppressed_ids(params: SamplingParams, eos_ids: tuple[int, ...]) -> list[int]:
+    """Token ids a request may not sample before it has min_tokens outputs."""
+    ids = [*params.stop_token_ids, *([] if params.ignore_eos else eos_ids)]
+    return list(dict.fromkeys(ids))
 
 
 class ModelRunner:
@@ -119,9 +127,13 @@ class ModelRunner:
 
         params = [r.params for r in requests]
         history = np.full((num_seqs, self.config.max_model_len), -1, np.int32)
+        suppressed = np.full((num_seqs, MAX_SUPPRESSED_IDS), -1, np.int32)
         for i, r in enumerate(requests):
             ids = r.all_token_ids
             history[i, : len(ids)] = ids
+            if len(r.output_token_ids) < r.params.min_tokens:
+                banned = suppressed_ids(r.params, self.model.eos_token_ids)
+                suppressed[i, : len(banned)] = banned
         return SamplingInputs(
             temperature=column([p.temperature for p in params], np.float32, 0.0),
             top_k=column([p.top_k for p in params], np.int32, 0),
@@ -134,6 +146,7 @@ class ModelRunner:
             num_generated=column([len(r.output_token_ids) for r in requests], np.int32, 0),
             history_ids=history,
             num_prompt_tokens=column([len(r.prompt_token_ids) for r in requests], np.int32, 0),
+            suppressed_ids=suppressed,
         )
 
     def warm_up(self, progress: bool = True) -> int:

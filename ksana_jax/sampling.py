@@ -31,6 +31,7 @@ import jax.numpy as jnp
         "num_generated",
         "history_ids",
         "num_prompt_tokens",
+        "suppressed_ids",
     ],
     meta_fields=[],
 )
@@ -47,6 +48,8 @@ class SamplingInputs:
     num_generated: jax.Array  # i32[S]  output tokens so far (the step's noise index)
     history_ids: jax.Array  # i32[S, M]  prompt then output tokens, padded with -1
     num_prompt_tokens: jax.Array  # i32[S]
+    suppressed_ids: jax.Array  # i32[S, B]  tokens that must not be sampled now (EOS and stop
+    #                                       ids while below min_tokens), padded with -1
 
 
 @functools.partial(
@@ -83,20 +86,26 @@ def apply_penalties(logits: jax.Array, s: SamplingInputs) -> jax.Array:
 
 
 def _filter(logits: jax.Array, s: SamplingInputs) -> jax.Array:
-    """Temperature-scaled logits with tokens outside top-k / top-p / min-p set to -inf."""
+    """Temperature-scaled logits with tokens outside top-k / top-p / min-p set to -inf.
+
+    Applied in transformers' order: temperature, top-k, top-p, min-p.
+    """
     logits = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     vocab = logits.shape[1]
     sorted_logits = -jnp.sort(-logits, axis=-1)  # descending
     # top-k: keep logits >= the k-th largest.
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
     kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
-    # top-p: keep the smallest prefix whose mass reaches p (the first token always kept).
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    # top-p on what top-k kept (HF's and vLLM's order): the smallest prefix whose mass
+    # reaches p; the first token is always kept, and p = 1 keeps everything.
+    probs = jax.nn.softmax(jnp.where(sorted_logits >= kth, sorted_logits, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     num_kept = jnp.sum(mass_before < s.top_p[:, None], axis=-1)
-    pth = jnp.take_along_axis(sorted_logits, (jnp.maximum(num_kept, 1) - 1)[:, None], axis=-1)
-    # min-p: keep tokens with prob >= min_p * max prob, i.e. logit >= max + log(min_p).
-    mth = sorted_logits[:, :1] + jnp.log(jnp.maximum(s.min_p, 1e-30))[:, None]
+    num_kept = jnp.where(s.top_p >= 1.0, vocab, jnp.maximum(num_kept, 1))
+    pth = jnp.take_along_axis(sorted_logits, (num_kept - 1)[:, None], axis=-1)
+    # min-p: keep tokens with prob >= min_p * max prob, i.e. logit >= max + log(min_p)
+    # (log 0 = -inf: min_p = 0 drops nothing).
+    mth = sorted_logits[:, :1] + jnp.log(s.min_p)[:, None]
     threshold = jnp.maximum(jnp.maximum(kth, pth), mth)
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
@@ -110,6 +119,9 @@ def sample(logits: jax.Array, s: SamplingInputs, max_logprobs: int) -> SampledTo
     """Samples one token per row of logits f32[S, V]."""
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     logits = apply_penalties(logits, s)
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], s.suppressed_ids.shape)
+    banned = jnp.where(s.suppressed_ids >= 0, s.suppressed_ids, logits.shape[1])
+    logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
     greedy = s.temperature == 0.0
     vocab = logits.shape[1]
 

@@ -1,0 +1,173 @@
+"""Offline throughput on traffic-like load: ksana-jax vs Hugging Face transformers.
+
+A seeded synthetic workload (default 64 requests, prompt lengths uniform in 32-512, output
+lengths uniform in 16-256, EOS ignored so lengths are exact) runs through ksana-jax's
+engine and, in the same run, through transformers `generate` on the same model and
+requests in static left-padded batches (each batch runs until its longest request) for
+each batch size and dtype given. Only the tokens each request asked for are counted.
+Also prints the batch-1 decode step time against the floor weight_bytes / read bandwidth
+(bandwidth measured here).
+
+    python benchmarks/throughput.py [--requests 64] [--dtype bfloat16] [--hf-batch 8 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from ksana_jax import LLM, SamplingParams
+from ksana_jax.demo import demo_checkpoint, demo_gguf_path
+from ksana_jax.runner import engine_step
+from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
+
+
+def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            [int(t) for t in rng.integers(100, vocab, int(rng.integers(32, 513)))],
+            int(rng.integers(16, 257)),
+        )
+        for _ in range(n)
+    ]
+
+
+def run_ksana(llm: LLM, requests) -> float:
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in requests]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == m for o, (_, m) in zip(outs, requests, strict=True))
+    return elapsed
+
+
+def run_hf(model, requests, batch_size: int) -> float:
+    import torch
+
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i : i + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (p, _) in enumerate(batch):  # left padding
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        longest = max(m for _, m in batch)
+        with torch.no_grad():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=0,
+            )
+    return time.perf_counter() - start
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a large sequential read (numpy sum over 1 GiB of float32)."""
+    data = np.ones(1 << 28, np.float32)
+    data.sum()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.nbytes / min(times)
+
+
+def decode_step_seconds(llm: LLM, repeats: int = 20) -> float:
+    """Median batch-1 decode step (smallest buckets), the context filling its bucket."""
+    runner, cfg = llm.engine.runner, llm.config
+    pages = cfg.context_buckets[0] // cfg.page_size
+    position = cfg.context_buckets[0] - 1
+    inputs = build_step_inputs(
+        [SequenceChunk([5], position, range(1, pages + 1))],
+        cfg.page_size,
+        cfg.token_buckets[0],
+        cfg.seq_buckets[0],
+        pages,
+    )
+    sampling = runner._sampling_inputs([], cfg.seq_buckets[0])  # greedy padding rows
+
+    def step():
+        out, runner.kv = engine_step(
+            llm.model.params, llm.model.config, runner.kv, inputs, sampling, cfg.max_logprobs
+        )
+        jax.block_until_ready(out)
+
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--hf-batch", type=int, nargs="*", default=[16, 32])
+    parser.add_argument("--hf-dtype", nargs="*", default=["bfloat16", "float32"])
+    args = parser.parse_args()
+
+    llm = LLM(
+        demo_checkpoint(),
+        dtype=args.dtype,
+        max_model_len=1024,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        compilation_cache_dir=str(demo_checkpoint().parent / "jax-cache"),
+    )
+    requests = workload(args.requests, args.seed, llm.model.config.vocab_size)
+    asked = sum(m for _, m in requests)
+    rows = []
+    ours = run_ksana(llm, requests)
+    rows.append((f"ksana-jax {args.dtype}", ours))
+
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    gguf = demo_gguf_path()
+    for dtype in args.hf_dtype:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
+        ).eval()
+        for batch in args.hf_batch:
+            rows.append((f"transformers {dtype} batch {batch}", run_hf(model, requests, batch)))
+    best_hf = min(t for name, t in rows[1:])
+
+    print(
+        f"\n{args.requests} requests, {asked} output tokens asked, "
+        f"{sum(len(p) for p, _ in requests)} prompt tokens; {jax.devices()[0].platform}"
+    )
+    print(f"{'system':<34}{'seconds':>9}{'tok/s':>9}{'vs best HF':>12}")
+    for name, seconds in rows:
+        print(f"{name:<34}{seconds:>9.1f}{asked / seconds:>9.1f}{best_hf / seconds:>12.2f}")
+
+    bandwidth = read_bandwidth()
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.model.params))
+    step = decode_step_seconds(llm)
+    floor = weight_bytes / bandwidth
+    print(
+        f"\nbatch-1 decode step {step * 1e3:.1f} ms; floor {floor * 1e3:.1f} ms "
+        f"({weight_bytes / 1e6:.0f} MB of {args.dtype} weights at {bandwidth / 1e9:.1f} GB/s); "
+        f"ratio {step / floor:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

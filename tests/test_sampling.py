@@ -1,0 +1,627 @@
+"""The on-device sampler against numpy oracles written from the intended (vLLM / HF) semantics,
+and SamplingParams validation.
+
+Oracle conventions (float64 numpy, never the code under test):
+- penalties: repetition on every prompt + output token (logit / r if > 0 else logit * r), then
+  frequency and presence on output tokens only.
+- filters, in HF's warper order: temperature, top-k, top-p (on the distribution renormalized
+  over the top-k survivors, as both HF and vLLM do), min-p (relative to the max probability,
+  which no earlier filter removes, so its place in the order does not matter).
+- ties: a filter keeps every token whose value equals the boundary token's value (top-k's k-th
+  largest, top-p's last needed token, min-p's max), so the kept set never depends on token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ksana_jax.sampling import SamplingInputs, _filter, apply_penalties, sample
+from ksana_jax.sampling_params import SamplingParams
+
+V = 16  # vocabulary of every sampler call here
+M = 12  # history length of every call (one compiled shape per batch size)
+N_LOGPROBS = 4
+
+sample_jit = jax.jit(functools.partial(sample, max_logprobs=N_LOGPROBS))
+penalties_jit = jax.jit(apply_penalties)
+filter_jit = jax.jit(_filter)
+
+DEFAULTS = dict(
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+    seeds=0,
+    num_generated=0,
+    num_prompt_tokens=0,
+)
+DTYPES = dict(
+    temperature=np.float32,
+    top_k=np.int32,
+    top_p=np.float32,
+    min_p=np.float32,
+    repetition_penalty=np.float32,
+    presence_penalty=np.float32,
+    frequency_penalty=np.float32,
+    seeds=np.uint32,
+    num_generated=np.int32,
+    num_prompt_tokens=np.int32,
+)
+
+
+def make_inputs(num_seqs: int, history=None, suppressed=None, **fields) -> SamplingInputs:
+    """SamplingInputs with per-row fields (scalars broadcast); history -1 padded to M."""
+    arrays = {}
+    for name, default in DEFAULTS.items():
+        value = np.asarray(fields.pop(name, default))
+        if name == "seeds":
+            value = value.astype(np.uint64).astype(np.uint32)
+        arrays[name] = jnp.asarray(np.broadcast_to(value.astype(DTYPES[name]), (num_seqs,)))
+    assert not fields, fields
+    if history is None:
+        history = np.full((num_seqs, M), -1)
+    history = np.asarray(history, np.int32)
+    assert history.shape == (num_seqs, M)
+    suppressed = np.full((num_seqs, 4), -1, np.int32) if suppressed is None else suppressed
+    return SamplingInputs(
+        history_ids=jnp.asarray(history),
+        suppressed_ids=jnp.asarray(suppressed, jnp.int32),
+        **arrays,
+    )
+
+
+def take_rows(s: SamplingInputs, rows) -> SamplingInputs:
+    return jax.tree.map(lambda x: x[np.asarray(rows)], s)
+
+
+def concat_inputs(parts: list[SamplingInputs]) -> SamplingInputs:
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+
+
+def run(logits, s: SamplingInputs):
+    out = sample_jit(jnp.asarray(logits, jnp.float32), s)
+    return jax.tree.map(np.asarray, out)
+
+
+# ----------------------------------------------------------------------------- numpy oracles
+
+
+def np_log_softmax(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def np_softmax(x):
+    return np.exp(np_log_softmax(x))
+
+
+def np_penalties(logits, history, num_prompt, rep, pres, freq):
+    out = np.array(logits, np.float64)
+    for i in range(out.shape[0]):
+        tokens = [int(t) for t in history[i] if t >= 0]
+        outputs = [int(t) for j, t in enumerate(history[i]) if t >= 0 and j >= num_prompt[i]]
+        for t in set(tokens):
+            out[i, t] = out[i, t] / rep[i] if out[i, t] > 0 else out[i, t] * rep[i]
+        for t, count in Counter(outputs).items():
+            out[i, t] -= freq[i] * count + pres[i]
+    return out
+
+
+def np_allowed(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """(allowed mask, near_boundary) for one row; near_boundary flags float-ambiguous inputs."""
+    z = np.asarray(logits, np.float64) / temperature
+    keep = np.ones(z.shape, bool)
+    near = False
+    if top_k > 0:
+        kth = np.sort(z)[::-1][min(top_k, z.size) - 1]
+        gap = np.abs(z - kth)
+        near |= bool(np.any((gap > 0) & (gap < 1e-4)))
+        keep &= z >= kth
+    if top_p < 1.0:
+        zk = np.where(keep, z, -np.inf)
+        p = np_softmax(zk)
+        values = np.unique(zk[keep])[::-1]  # distinct kept values, descending
+        group_mass = np.cumsum([p[zk == v].sum() for v in values])
+        near |= bool(np.any(np.abs(group_mass - top_p) < 1e-4))
+        last = int(np.argmax(group_mass >= top_p))  # first group where the mass reaches top_p
+        keep &= zk >= values[last]
+    if min_p > 0.0:
+        p = np_softmax(z)
+        ratio = p / p.max()
+        near |= bool(np.any((ratio < 1) & (np.abs(ratio - min_p) < 1e-4)))
+        keep &= ratio >= min_p
+    return keep, near
+
+
+def np_probs(logits, temperature, **filters):
+    keep, near = np_allowed(logits, temperature, **filters)
+    assert not near, "test input too close to a filter boundary"
+    z = np.where(keep, np.asarray(logits, np.float64) / temperature, -np.inf)
+    return np_softmax(z)
+
+
+# ----------------------------------------------------------------------------- 1. penalties
+
+
+def random_histories(rng, num_seqs, token_range=V):
+    history = np.full((num_seqs, M), -1, np.int32)
+    num_prompt = np.zeros(num_seqs, np.int32)
+    for i in range(num_seqs):
+        n_prompt = int(rng.integers(0, M + 1))
+        n_out = int(rng.integers(0, M - n_prompt + 1))
+        hi = int(rng.integers(2, token_range + 1))  # small ranges force repeated tokens
+        history[i, : n_prompt + n_out] = rng.integers(0, hi, n_prompt + n_out)
+        num_prompt[i] = n_prompt
+    return history, num_prompt
+
+
+def test_apply_penalties_handcrafted():
+    logits = np.zeros((2, V), np.float32)
+    logits[:, :4] = [2.0, -2.0, 3.0, 1.0]
+    history = np.full((2, M), -1)
+    history[0, :6] = [0, 1, 2, 2, 2, 3]  # prompt 0, 1; output 2, 2, 2, 3
+    history[1, :3] = [0, 1, 2]  # all prompt: only the repetition penalty applies
+    s = make_inputs(
+        2,
+        history,
+        num_prompt_tokens=[2, 3],
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+    )
+    out = np.asarray(penalties_jit(jnp.asarray(logits), s))
+    expected0 = [1.0, -4.0, 1.5 - 3 * 0.5 - 0.25, 0.5 - 0.5 - 0.25]
+    np.testing.assert_allclose(out[0, :4], expected0, rtol=1e-6)
+    np.testing.assert_allclose(out[1, :4], [1.0, -4.0, 1.5, 1.0], rtol=1e-6)
+    np.testing.assert_array_equal(out[:, 4:], 0.0)  # tokens never seen are untouched
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_apply_penalties_matches_numpy(trial):
+    rng = np.random.default_rng(100 + trial)
+    S = 16
+    logits = (rng.normal(size=(S, V)) * 3).astype(np.float32)
+    logits[0, :3] = 0.0  # exactly zero: unchanged by the repetition penalty either way
+    history, num_prompt = random_histories(rng, S)
+    history[1] = -1  # no history at all
+    num_prompt[2] = M  # everything is prompt: no frequency / presence
+    history[2] = rng.integers(0, 4, M)
+    num_prompt[3] = 0  # everything is output
+    history[3] = rng.integers(0, 4, M)
+    rep = rng.uniform(0.5, 2.0, S).astype(np.float32)
+    rep[4] = 1.0
+    pres = rng.uniform(-2, 2, S).astype(np.float32)
+    freq = rng.uniform(-2, 2, S).astype(np.float32)
+    s = make_inputs(
+        S,
+        history,
+        num_prompt_tokens=num_prompt,
+        repetition_penalty=rep,
+        presence_penalty=pres,
+        frequency_penalty=freq,
+    )
+    out = np.asarray(penalties_jit(jnp.asarray(logits), s))
+    expected = np_penalties(logits, history, num_prompt, rep, pres, freq)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(out, logits)  # the penalties did something
+
+
+# ----------------------------------------------------------------------------- 2. filters
+
+
+def random_filter_row(rng, combo):
+    """Random logits and filter settings for one row, away from every float boundary."""
+    while True:
+        logits = (rng.normal(size=V) * rng.uniform(0.5, 3.0)).astype(np.float32)
+        temperature = float(np.float32(rng.uniform(0.3, 2.0)))
+        filters = dict(
+            top_k=int(rng.integers(1, V + 1)) if "k" in combo else 0,
+            top_p=float(np.float32(rng.uniform(0.05, 0.99))) if "p" in combo else 1.0,
+            min_p=float(np.float32(rng.uniform(0.01, 0.9))) if "m" in combo else 0.0,
+        )
+        keep, near = np_allowed(logits, temperature, **filters)
+        if not near:
+            return logits, temperature, filters, keep
+
+
+@pytest.mark.parametrize("combo", ["", "k", "p", "m", "km", "pm", "kp", "kpm"])
+def test_filter_keeps_the_oracle_set(combo):
+    """_filter's finite entries are exactly the oracle's allowed tokens (k/p/m = top-k/p/min-p)."""
+    rng = np.random.default_rng(sum(map(ord, combo)) + 7)
+    S = 16
+    rows = [random_filter_row(rng, combo) for _ in range(S)]
+    logits = np.stack([r[0] for r in rows])
+    s = make_inputs(
+        S,
+        temperature=[r[1] for r in rows],
+        top_k=[r[2]["top_k"] for r in rows],
+        top_p=[r[2]["top_p"] for r in rows],
+        min_p=[r[2]["min_p"] for r in rows],
+    )
+    out = np.asarray(filter_jit(jnp.asarray(logits), s))
+    for i, (row_logits, temperature, filters, keep) in enumerate(rows):
+        assert np.array_equal(np.isfinite(out[i]), keep), (i, row_logits, temperature, filters)
+        np.testing.assert_allclose(out[i][keep], row_logits[keep] / temperature, rtol=1e-5)
+
+
+def test_filter_edge_settings():
+    base = np.array([3.0, 2.0, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0] * 2, np.float32)
+    base[8:] -= 4.0
+    cases = [  # (settings, expected kept ids)
+        (dict(), range(V)),
+        (dict(top_k=-1), range(V)),
+        (dict(top_k=V + 5), range(V)),
+        (dict(top_p=1.0), range(V)),
+        (dict(min_p=0.0), range(V)),
+        (dict(top_k=1), [0]),
+        (dict(top_p=1e-6), [0]),
+        (dict(min_p=1.0), [0]),
+        (dict(top_k=2), [0, 1, 2]),  # 2nd largest is tied with the 3rd: both kept
+        (dict(top_k=3), [0, 1, 2]),
+    ]
+    S = 16
+    assert len(cases) <= S
+    cases += [(dict(), range(V))] * (S - len(cases))
+    s = make_inputs(S, **{k: [c[0].get(k, DEFAULTS[k]) for c in cases] for k in DTYPES})
+    out = np.asarray(filter_jit(jnp.asarray(np.tile(base, (S, 1))), s))
+    for row, (settings, kept) in zip(out, cases, strict=True):
+        assert np.flatnonzero(np.isfinite(row)).tolist() == list(kept), settings
+
+
+def test_filter_top_p_one_drops_nothing():
+    """top_p=1 is "disabled" (vLLM, HF): no token is dropped, however unlikely. Here the top
+    token's float32 probability rounds to 1, so "mass before < top_p" alone drops the rest."""
+    S = 16
+    logits = np.full((S, V), -25.0, np.float32)
+    logits[:, 0] = 0.0
+    logits[1::2] /= 5  # gaps of -5 at temperature 0.2
+    temperature = np.where(np.arange(S) % 2, 0.2, 1.0)
+    s = make_inputs(S, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
+    out = np.asarray(filter_jit(jnp.asarray(logits), s))
+    assert np.isfinite(out).all(), np.isfinite(out).sum(axis=1)
+
+
+def test_filter_min_p_zero_drops_nothing():
+    """min_p=0 is "disabled": a token 80 nats below the max is not dropped (top-p keeps it)."""
+    S = 16
+    logits = np.zeros((S, V), np.float32)
+    logits[:, -1] = -80.0
+    s = make_inputs(S, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    out = np.asarray(filter_jit(jnp.asarray(logits), s))
+    assert np.isfinite(out).all(), np.isfinite(out).sum(axis=1)
+
+
+# ----------------------------------------------------------------------------- 2b. statistics
+
+DRAWS = 4000
+_rng = np.random.default_rng(1234)
+_BASE = np.sort(_rng.normal(size=V) * 1.3)[::-1].astype(np.float32)
+_PERMUTED = _rng.permutation(_BASE)  # the same values, not in id order
+_TIES = np.array([2.0, 2.0, 2.0, 1.0, 0.5, 0.3, 0.0, -0.5] * 2, np.float32)
+_TIES[8:] -= 2.0
+_HISTORY = np.array([1, 2, 3, 3, 0, 0, 0, 5, 1, -1, -1, -1])
+
+STAT_CONFIGS = {  # name: (logits, sampler settings)
+    "plain": (_BASE, dict()),
+    "plain_permuted": (_PERMUTED, dict()),
+    "temperature_0.5": (_BASE, dict(temperature=0.5)),
+    "temperature_2": (_PERMUTED, dict(temperature=2.0)),
+    "top_k_3": (_PERMUTED, dict(top_k=3)),
+    "top_p_0.6": (_PERMUTED, dict(top_p=0.6, temperature=2.0)),
+    "min_p_0.2": (_PERMUTED, dict(min_p=0.2, temperature=2.5)),
+    "top_k_5_min_p_0.3": (_PERMUTED, dict(top_k=5, min_p=0.3, temperature=2.0)),
+    "top_p_0.8_min_p_0.05": (_PERMUTED, dict(top_p=0.8, min_p=0.05, temperature=1.5)),
+    "top_k_4_top_p_0.75": (_BASE, dict(top_k=4, top_p=0.75, temperature=1.5)),
+    "top_k_6_top_p_0.6": (_PERMUTED, dict(top_k=6, top_p=0.6, temperature=2.5)),
+    "top_k_8_top_p_0.7": (_PERMUTED, dict(top_k=8, top_p=0.7, temperature=3.0)),
+    "top_k_1": (_PERMUTED, dict(top_k=1)),
+    "top_p_tiny": (_PERMUTED, dict(top_p=1e-6)),
+    "min_p_1": (_PERMUTED, dict(min_p=1.0)),
+    "ties_top_p_0.2": (_TIES, dict(top_p=0.2)),
+    "ties_top_k_2": (_TIES, dict(top_k=2)),
+    "penalties": (
+        _PERMUTED,
+        dict(
+            temperature=0.8,
+            top_k=10,
+            repetition_penalty=1.7,
+            frequency_penalty=0.4,
+            presence_penalty=0.3,
+            num_prompt_tokens=3,
+            history=_HISTORY,
+        ),
+    ),
+}
+
+
+def stat_oracle(logits, settings):
+    settings = DEFAULTS | settings
+    history = settings.get("history", np.full(M, -1))
+    penalized = np_penalties(
+        logits[None],
+        history[None],
+        [settings["num_prompt_tokens"]],
+        [settings["repetition_penalty"]],
+        [settings["presence_penalty"]],
+        [settings["frequency_penalty"]],
+    )[0]
+    filters = {k: settings[k] for k in ("top_k", "top_p", "min_p")}
+    return np_probs(penalized, settings["temperature"], **filters)
+
+
+@pytest.fixture(scope="module")
+def stat_draws():
+    """DRAWS samples per config, all configs in one call, every row its own seed and step."""
+    rng = np.random.default_rng(99)
+    parts, logits = [], []
+    for row_logits, settings in STAT_CONFIGS.values():
+        settings = dict(settings)
+        history = settings.pop("history", None)
+        if history is not None:
+            history = np.tile(history, (DRAWS, 1))
+        seeds = rng.choice(2**32, size=DRAWS, replace=False)
+        steps = rng.integers(0, 5000, DRAWS)
+        parts.append(make_inputs(DRAWS, history, seeds=seeds, num_generated=steps, **settings))
+        logits.append(np.tile(row_logits, (DRAWS, 1)))
+    out = run(np.concatenate(logits), concat_inputs(parts))
+    return dict(zip(STAT_CONFIGS, out.token_ids.reshape(len(STAT_CONFIGS), DRAWS), strict=True))
+
+
+@pytest.mark.parametrize("name", list(STAT_CONFIGS))
+def test_sampled_distribution_matches_oracle(stat_draws, name):
+    probs = stat_oracle(*STAT_CONFIGS[name])
+    tokens = stat_draws[name]
+    allowed = set(np.flatnonzero(probs > 0).tolist())
+    sampled = set(np.unique(tokens).tolist())
+    assert sampled <= allowed, f"sampled {sorted(sampled - allowed)} outside {sorted(allowed)}"
+    freq = np.bincount(tokens, minlength=V) / DRAWS
+    # One standard error is at most sqrt(0.25 / 4000) = 0.008.
+    assert np.abs(freq - probs).max() < 0.03, (np.round(freq, 3), np.round(probs, 3))
+    # Every token the oracle gives >= 1% shows up (expected count >= 40).
+    assert {int(t) for t in np.flatnonzero(probs >= 0.01)} <= sampled
+
+
+def test_stat_configs_exercise_what_they_claim():
+    """Guards the test inputs: only the deterministic configs are degenerate, and the
+    combined filters really differ from each filter alone."""
+    for name, config in STAT_CONFIGS.items():
+        num_allowed = np.count_nonzero(stat_oracle(*config))
+        assert num_allowed == 1 if name in ("top_k_1", "top_p_tiny", "min_p_1") else num_allowed > 1
+    assert np.count_nonzero(stat_oracle(*STAT_CONFIGS["top_k_5_min_p_0.3"])) < 5
+    for name in ("top_k_4_top_p_0.75", "top_k_6_top_p_0.6", "top_k_8_top_p_0.7"):
+        logits, settings = STAT_CONFIGS[name]
+        temperature = settings.get("temperature", 1.0)
+        k, p = settings["top_k"], settings["top_p"]
+        # top-p over the top-k survivors keeps fewer tokens than top-p over the whole
+        # vocabulary intersected with top-k, so these configs tell the two orders apart.
+        combined = np_allowed(logits, temperature, top_k=k, top_p=p)[0]
+        separate = np_allowed(logits, temperature, top_k=k)[0]
+        separate &= np_allowed(logits, temperature, top_p=p)[0]
+        assert combined.sum() < separate.sum(), name
+    probs = stat_oracle(*STAT_CONFIGS["ties_top_p_0.2"])
+    np.testing.assert_allclose(probs[:3], 1 / 3)
+    assert np.count_nonzero(probs) == 3
+    assert np.count_nonzero(stat_oracle(*STAT_CONFIGS["ties_top_k_2"])) == 3
+    plain = stat_oracle(*STAT_CONFIGS["plain_permuted"])
+    assert np.abs(stat_oracle(*STAT_CONFIGS["penalties"]) - plain).max() > 0.05
+
+
+# ----------------------------------------------------------------------------- 3. greedy
+
+
+def random_rows(rng, S, greedy_fraction=0.0):
+    logits = (rng.normal(size=(S, V)) * 2).astype(np.float32)
+    history, num_prompt = random_histories(rng, S)
+    fields = dict(
+        temperature=np.where(rng.random(S) < greedy_fraction, 0.0, rng.uniform(0.3, 1.5, S)),
+        top_k=rng.integers(-1, V + 2, S),
+        top_p=rng.uniform(0.1, 1.0, S),
+        min_p=rng.uniform(0.0, 0.5, S),
+        repetition_penalty=rng.uniform(0.5, 2.0, S),
+        presence_penalty=rng.uniform(-2, 2, S),
+        frequency_penalty=rng.uniform(-2, 2, S),
+        seeds=rng.integers(0, 2**32, S, dtype=np.uint64),
+        num_generated=rng.integers(0, 10000, S),
+        num_prompt_tokens=num_prompt,
+    )
+    return logits, make_inputs(S, history, **fields), fields, history
+
+
+def test_greedy_is_argmax_of_penalized_logits_and_ignores_seeds():
+    rng = np.random.default_rng(5)
+    S = 16
+    logits, s, f, history = random_rows(rng, S, greedy_fraction=1.0)
+    penalized = np_penalties(
+        logits,
+        history,
+        f["num_prompt_tokens"],
+        f["repetition_penalty"],
+        f["presence_penalty"],
+        f["frequency_penalty"],
+    )
+    expected = penalized.argmax(axis=1)
+    assert not np.array_equal(expected, logits.argmax(axis=1))  # penalties matter here
+    out = run(logits, s)
+    np.testing.assert_array_equal(out.token_ids, expected)
+    reseeded = dataclasses.replace(
+        s,
+        seeds=jnp.asarray(rng.integers(0, 2**32, S, dtype=np.uint64).astype(np.uint32)),
+        num_generated=s.num_generated + 17,
+    )
+    np.testing.assert_array_equal(run(logits, reseeded).token_ids, expected)
+
+
+def test_greedy_rows_unaffected_by_random_rows_in_the_batch():
+    rng = np.random.default_rng(6)
+    S = 16
+    logits, s, f, history = random_rows(rng, S, greedy_fraction=0.5)
+    greedy = f["temperature"] == 0
+    assert 3 <= greedy.sum() <= S - 3
+    mixed = run(logits, s)
+    all_greedy = run(logits, dataclasses.replace(s, temperature=jnp.zeros(S, jnp.float32)))
+    np.testing.assert_array_equal(mixed.token_ids[greedy], all_greedy.token_ids[greedy])
+    penalized = np_penalties(
+        logits,
+        history,
+        f["num_prompt_tokens"],
+        f["repetition_penalty"],
+        f["presence_penalty"],
+        f["frequency_penalty"],
+    )
+    np.testing.assert_array_equal(mixed.token_ids[greedy], penalized.argmax(axis=1)[greedy])
+
+
+@pytest.mark.parametrize("setting", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
+def test_deterministic_filters_equal_greedy(setting):
+    rng = np.random.default_rng(7)
+    S = 16
+    logits = (rng.normal(size=(S, V)) * 2).astype(np.float32)
+    seeds = rng.integers(0, 2**32, S, dtype=np.uint64)
+    s = make_inputs(S, temperature=rng.uniform(0.5, 2.0, S), seeds=seeds, **setting)
+    np.testing.assert_array_equal(run(logits, s).token_ids, logits.argmax(axis=1))
+
+
+# ----------------------------------------------------------------------------- 4. invariance
+
+
+def test_rows_are_batch_invariant():
+    """Each row of a 16-row batch (random settings, some greedy) gives the same token, logprob
+    and top logprobs alone, inside the first 4 rows, and in the full batch (also reversed)."""
+    rng = np.random.default_rng(8)
+    S = 16
+    logits, s, _, _ = random_rows(rng, S, greedy_fraction=0.25)
+    full = run(logits, s)
+    rev = run(logits[::-1], take_rows(s, np.arange(S)[::-1]))
+    four = run(logits[4:8], take_rows(s, [4, 5, 6, 7]))
+    for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
+        np.testing.assert_array_equal(getattr(rev, name)[::-1], getattr(full, name))
+        np.testing.assert_array_equal(getattr(four, name), getattr(full, name)[4:8])
+    for i in range(S):
+        alone = run(logits[i : i + 1], take_rows(s, [i]))
+        for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
+            np.testing.assert_array_equal(getattr(alone, name)[0], getattr(full, name)[i])
+    assert len(set(full.token_ids.tolist())) > 3  # not degenerate
+
+
+def test_noise_depends_on_seed_and_step_only():
+    S = 64
+    flat = np.zeros((S, V), np.float32)  # uniform: the token is decided by the noise alone
+    steps = np.arange(S)
+    by_step = run(flat, make_inputs(S, seeds=12345, num_generated=steps)).token_ids
+    assert len(set(by_step.tolist())) >= 8  # the step changes the noise
+    by_seed = run(flat, make_inputs(S, seeds=np.arange(S) * 7919, num_generated=3)).token_ids
+    assert len(set(by_seed.tolist())) >= 8  # the seed changes the noise
+    same = run(flat, make_inputs(S, seeds=12345, num_generated=5)).token_ids
+    assert len(set(same.tolist())) == 1  # same seed and step: same token
+    assert same[0] == by_step[5]
+    again = run(flat, make_inputs(S, seeds=12345, num_generated=steps)).token_ids
+    np.testing.assert_array_equal(again, by_step)
+    other = run(flat, make_inputs(S, seeds=12346, num_generated=steps)).token_ids
+    assert not np.array_equal(other, by_step)
+    big = run(flat, make_inputs(S, seeds=[2**32 - 1, 2**31] * (S // 2), num_generated=steps))
+    assert len(set(big.token_ids.tolist())) >= 8  # seeds above 2**31 are fine
+
+
+# ----------------------------------------------------------------------------- 5. logprobs
+
+
+def test_logprobs_are_raw_log_softmax():
+    rng = np.random.default_rng(9)
+    S = 16
+    logits, s, _, _ = random_rows(rng, S, greedy_fraction=0.25)
+    logits[::3] *= 4  # some rows far from uniform
+    out = run(logits, s)
+    raw = np_log_softmax(logits)
+    np.testing.assert_allclose(out.logprobs, raw[np.arange(S), out.token_ids], rtol=1e-5, atol=1e-5)
+    top_ids = np.argsort(-raw, axis=1, kind="stable")[:, :N_LOGPROBS]
+    np.testing.assert_array_equal(out.top_ids, top_ids)
+    np.testing.assert_allclose(
+        out.top_logprobs, np.take_along_axis(raw, top_ids, axis=1), rtol=1e-5, atol=1e-5
+    )
+    assert out.top_ids.dtype == np.int32 and out.token_ids.dtype == np.int32
+    # The penalties and temperature changed what was sampled, not the reported logprobs.
+    assert not np.array_equal(out.token_ids, logits.argmax(axis=1))
+
+
+# ----------------------------------------------------------------------------- 6. params
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(n=0), "n"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=-0.01), "min_p"),
+        (dict(min_p=1.01), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(presence_penalty=-2.01), "presence_penalty"),
+        (dict(presence_penalty=2.01), "presence_penalty"),
+        (dict(frequency_penalty=-2.01), "frequency_penalty"),
+        (dict(frequency_penalty=2.01), "frequency_penalty"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**32), "seed"),
+        (dict(stop=""), "stop"),
+        (dict(stop=["ok", ""]), "stop"),
+    ],
+)
+def test_sampling_params_rejects(kwargs, field):
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accepts_edges():
+    for kwargs in [
+        dict(n=1, temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0),
+        dict(top_p=1e-9, top_k=0, min_p=1.0, repetition_penalty=1e-3),
+        dict(presence_penalty=-2, frequency_penalty=2, seed=0, logprobs=0),
+        dict(presence_penalty=2, frequency_penalty=-2, seed=2**32 - 1),
+        dict(max_tokens=None, min_tokens=100),
+        dict(max_tokens=4, min_tokens=4),
+    ]:
+        SamplingParams(**kwargs)
+    assert SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(temperature=0.5).greedy
+
+
+def test_sampling_params_stop_normalized():
+    assert SamplingParams(stop="###").stop == ("###",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(stop=None).stop == ()
+    assert SamplingParams().stop == ()
+    assert SamplingParams(stop_token_ids=[3, np.int64(4)]).stop_token_ids == (3, 4)
+
+
+def test_suppressed_ids_are_never_sampled():
+    """min_tokens: EOS / stop ids are banned on device while a request is below min_tokens."""
+    logits = np.tile(np.array([[0.0, 5.0, 4.0, 1.0, -1.0, 3.0]], np.float32), (3, 1))
+    suppressed = np.array([[1, -1, -1, -1], [1, 2, -1, -1], [-1, -1, -1, -1]], np.int32)
+    greedy = run(logits, make_inputs(3, suppressed=suppressed, temperature=0.0))
+    assert greedy.token_ids.tolist() == [2, 5, 1]
+    # Sampling never picks them either; logprobs stay those of the raw distribution.
+    many = np.tile(logits[:1], (256, 1))
+    banned = np.tile(np.array([[1, 2, -1, -1]], np.int32), (256, 1))
+    out = run(many, make_inputs(256, suppressed=banned, temperature=1.0, seeds=np.arange(256)))
+    assert not set(out.token_ids.tolist()) & {1, 2}
+    raw = logits[0] - np.log(np.exp(logits[0]).sum())
+    np.testing.assert_allclose(out.logprobs, raw[out.token_ids], atol=1e-5)
