@@ -35,6 +35,16 @@ def write_kv_pages(kv: jax.Array, new_kv: jax.Array, slot_ids: jax.Array) -> jax
     return flat.at[:, :, :, slot_ids].set(new).reshape(kv.shape)
 
 
+def write_layer_kv(
+    kv: jax.Array, layer_index: int, k_new: jax.Array, v_new: jax.Array, slot_ids: jax.Array
+) -> jax.Array:
+    """write_kv_pages for one layer: k_new, v_new [T, K, H] into layer `layer_index`."""
+    num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv.shape
+    flat = kv.reshape(num_layers, 2, num_kv_heads, num_pages * page_size, head_dim)
+    new = jnp.stack([k_new, v_new], axis=1).astype(kv.dtype)  # [T, 2, K, H]
+    return flat.at[layer_index, :, :, slot_ids].set(new).reshape(kv.shape)
+
+
 def token_rows_and_positions(
     seq_lens: jax.Array, query_starts: jax.Array, num_tokens: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
