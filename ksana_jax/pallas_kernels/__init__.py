@@ -1,1 +1,93 @@
-"""Attention kernels over the paged KV array, each beside its jnp oracle in reference.py."""
+"""Attention kernels over the paged KV array, each beside its jnp oracle in reference.py.
+
+Every attention backend has one signature (semantics: `reference.ragged_paged_attention`):
+
+    attn(q [T, N, H], k_new [T, K, H], v_new [T, K, H], kv [L, 2, K, num_pages, page_size, H],
+         layer_index i32[], page_table i32[S, P], seq_lens i32[S], query_starts i32[S+1],
+         *, sm_scale) -> f32[T, N, H]
+
+and every KV writer one (semantics: `reference.write_kv_pages`):
+
+    write(kv [L, 2, K, num_pages, page_size, H], new_kv [L, 2, T, K, H], slot_ids i32[T]) -> kv
+
+Backends: "reference" (pure jnp; the oracle and the CPU path), "pallas_tpu"
+(ragged_paged_attention_tpu.py, write_kv_pages_tpu.py: Mosaic), "pallas_gpu"
+(paged_attention_gpu.py, write_kv_pages_gpu.py: Triton). `resolve_backend("auto", platform)`
+picks the kernel for the platform. Kernel modules are imported on first use, so importing
+this package (the model does, for the reference) does not import Pallas.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+from collections.abc import Callable
+
+import jax
+
+from ksana_jax.pallas_kernels import reference
+
+BACKENDS = ("reference", "pallas_tpu", "pallas_gpu")
+AUTO_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "cpu": "reference"}
+
+_ATTENTION_MODULES = {
+    "pallas_tpu": "ksana_jax.pallas_kernels.ragged_paged_attention_tpu",
+    "pallas_gpu": "ksana_jax.pallas_kernels.paged_attention_gpu",
+}
+_WRITER_MODULES = {
+    "pallas_tpu": "ksana_jax.pallas_kernels.write_kv_pages_tpu",
+    "pallas_gpu": "ksana_jax.pallas_kernels.write_kv_pages_gpu",
+}
+
+AttentionFn = Callable[..., jax.Array]
+KVWriteFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def resolve_backend(backend: str, platform: str) -> str:
+    """Concrete backend name: "auto" becomes the kernel for `platform` (tpu -> pallas_tpu,
+    gpu/cuda -> pallas_gpu, cpu -> reference); a concrete name is checked and returned."""
+    if backend == "auto":
+        if platform not in AUTO_BACKEND:
+            raise ValueError(
+                f"no attention backend for platform {platform!r}; known: {sorted(AUTO_BACKEND)}"
+            )
+        return AUTO_BACKEND[platform]
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {('auto', *BACKENDS)}")
+    return backend
+
+
+def _kernel_module(backend: str, modules: dict[str, str], interpret: bool):
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"attention backend {backend!r} is not one of {BACKENDS} "
+            '("auto" is resolved first, with resolve_backend(backend, platform))'
+        )
+    if backend == "reference":
+        return None
+    if interpret:
+        warnings.warn(
+            f"attention backend {backend!r} runs in Pallas interpret mode: for testing only, "
+            "far slower than the reference backend",
+            stacklevel=3,
+        )
+    return importlib.import_module(modules[backend])
+
+
+def get_attention(backend: str, interpret: bool = False) -> AttentionFn:
+    """The attention function of `backend` ("reference" | "pallas_tpu" | "pallas_gpu");
+    `interpret=True` runs a Pallas kernel on CPU (tests only; it warns)."""
+    module = _kernel_module(backend, _ATTENTION_MODULES, interpret)
+    if module is None:
+        return reference.ragged_paged_attention
+    return functools.partial(module.ragged_paged_attention, interpret=interpret)
+
+
+def get_kv_writer(backend: str, interpret: bool = False) -> KVWriteFn:
+    """The KV write of `backend` (same names as get_attention); the Pallas ones alias the KV
+    array to their output, so under a donating jit they update it in place."""
+    module = _kernel_module(backend, _WRITER_MODULES, interpret)
+    if module is None:
+        return reference.write_kv_pages
+    return functools.partial(module.write_kv_pages, interpret=interpret)
