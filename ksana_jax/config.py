@@ -315,6 +315,7 @@ class EngineConfig:
     """
 
     dtype: str = "auto"  # parameter dtype; auto = the checkpoint's
+    kv_cache_dtype: str = "auto"  # auto = dtype, but float32 on CPU (see kv_cache.py)
     max_model_len: int = 2048  # prompt + output tokens of one request
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # KV pages incl. the sink; None = from kv_cache_memory_gib
@@ -333,6 +334,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ENGINE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {ENGINE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

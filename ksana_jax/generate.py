@@ -57,7 +57,14 @@ def generate(
         )
     pages_per_seq = bucket(-(-total // page_size), 1)
     page_ids = range(1, pages_per_seq + 1)
-    kv = allocate_kv(KVCacheSpec.for_model(model.config, pages_per_seq + 1, page_size, model.dtype))
+    kv = allocate_kv(
+        KVCacheSpec.for_model(
+            model.config,
+            pages_per_seq + 1,
+            page_size,
+            model.kv_dtype,
+        )
+    )
     rng = np.random.default_rng(seed)
 
     def run(tokens: Sequence[int], start: int, num_tokens: int):

@@ -22,6 +22,20 @@ import numpy as np
 from ksana_jax.config import ModelConfig
 
 SINK_PAGE = 0
+KV_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, param_dtype: str, platform: str) -> str:
+    """The KV array's dtype: explicit, or "auto" = the parameters' dtype, except float32 for
+    bfloat16 models on CPU: XLA:CPU lowers a bfloat16 scatter by converting the whole
+    operand to float32 and back (measured: ~10 ms per SmolLM2 layer and a full KV copy),
+    while a float32 scatter updates the donated array in place.
+    """
+    if kv_cache_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return "float32" if platform == "cpu" else param_dtype
 
 
 @dataclasses.dataclass(frozen=True)

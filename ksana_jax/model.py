@@ -20,7 +20,7 @@ import numpy as np
 
 from ksana_jax import checkpoint
 from ksana_jax.config import ModelConfig
-from ksana_jax.kv_cache import KVCacheSpec, allocate_kv
+from ksana_jax.kv_cache import KVCacheSpec, allocate_kv, resolve_kv_dtype
 from ksana_jax.models import llama
 from ksana_jax.step import logits_step
 from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
@@ -48,6 +48,11 @@ class Model:
         return str(self.params.embed.dtype)
 
     @property
+    def kv_dtype(self) -> str:
+        """The KV dtype this model's single-sequence paths use (see resolve_kv_dtype)."""
+        return resolve_kv_dtype("auto", self.dtype, jax.default_backend())
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """End-of-sequence ids from the config, generation config and tokenizer."""
         ids = list(self.config.eos_token_ids)
@@ -64,7 +69,12 @@ class Model:
             raise ValueError("token_ids must not be empty")
         num_tokens = bucket(n, page_size)
         pages_per_seq = num_tokens // page_size
-        spec = KVCacheSpec.for_model(self.config, pages_per_seq + 1, page_size, self.dtype)
+        spec = KVCacheSpec.for_model(
+            self.config,
+            pages_per_seq + 1,
+            page_size,
+            self.kv_dtype,
+        )
         inputs = build_step_inputs(
             [SequenceChunk(token_ids, 0, range(1, pages_per_seq + 1))],
             page_size,

@@ -18,7 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: scheduler queues look requests up with `in` / remove
 class Request:
     request_id: str  # unique per sample: "<parent id>" or "<parent id>#<index>"
     prompt_token_ids: list[int]

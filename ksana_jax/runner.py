@@ -17,7 +17,12 @@ import numpy as np
 from tqdm import tqdm
 
 from ksana_jax.config import EngineConfig, ModelConfig
-from ksana_jax.kv_cache import KVCacheSpec, allocate_kv, num_pages_for_budget
+from ksana_jax.kv_cache import (
+    KVCacheSpec,
+    allocate_kv,
+    num_pages_for_budget,
+    resolve_kv_dtype,
+)
 from ksana_jax.model import Model
 from ksana_jax.models import llama
 from ksana_jax.sampling import SampledTokens, SamplingInputs, sample
@@ -74,7 +79,8 @@ class ModelRunner:
     def __init__(self, model: Model, config: EngineConfig):
         self.model = model
         self.config = config
-        self.num_pages = resolve_num_pages(config, model.config, model.dtype)
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, model.dtype, jax.default_backend())
+        self.num_pages = resolve_num_pages(config, model.config, kv_dtype)
         if self.num_pages - 1 < config.max_pages_per_seq:
             raise ValueError(
                 f"the KV cache has {self.num_pages - 1} usable pages, fewer than the "

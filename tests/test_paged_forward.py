@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ksana_jax.config import ModelConfig
-from ksana_jax.kv_cache import KVCacheSpec, allocate_kv
+from ksana_jax.kv_cache import KVCacheSpec, allocate_kv, resolve_kv_dtype
 from ksana_jax.models import llama
 from ksana_jax.step import logits_step
 from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
@@ -87,12 +87,16 @@ def test_padding_tokens_never_touch_owned_pages():
     assert np.all(kv[:, :, :, untouched] == 0)
 
 
-def test_step_donates_kv_and_holds_no_second_copy():
-    spec = KVCacheSpec.for_model(CFG, 2048, 16, "float32")  # KV >> params and activations
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step_donates_kv_and_holds_no_second_copy(dtype):
+    # The KV dtype is what resolve_kv_dtype picks here (float32 on CPU for both).
+    kv_dtype = resolve_kv_dtype("auto", dtype, jax.default_backend())
+    spec = KVCacheSpec.for_model(CFG, 2048, 16, kv_dtype)  # KV >> params and activations
     kv = allocate_kv(spec)
+    params = jax.tree.map(lambda x: x.astype(dtype), PARAMS)
     inputs = build_step_inputs([SequenceChunk(PROMPT, 0, range(1, 3))], 16, 32, 4, 8)
     idx = jnp.zeros(4, jnp.int32)
-    compiled = logits_step.lower(PARAMS, CFG, kv, inputs, idx).compile()
+    compiled = logits_step.lower(params, CFG, kv, inputs, idx).compile()
     stats = compiled.memory_analysis()
     assert stats is not None
     # The KV output is aliased to the donated input...
@@ -101,7 +105,7 @@ def test_step_donates_kv_and_holds_no_second_copy():
     # (a quarter of the KV here), which would cost a full KV read per step.
     assert stats.temp_size_in_bytes < spec.nbytes // 4, stats
     assert stats.output_size_in_bytes - stats.alias_size_in_bytes < spec.nbytes // 4, stats
-    _, new_kv = compiled(PARAMS, kv, inputs, idx)
+    _, new_kv = compiled(params, kv, inputs, idx)
     assert kv.is_deleted()  # donated: the caller's buffer was consumed
     assert new_kv.shape == spec.shape
 

@@ -18,6 +18,13 @@ import jax
 import jax.numpy as jnp
 
 
+def _scatter_slots(kv: jax.Array, index: tuple, new: jax.Array) -> jax.Array:
+    """kv[index] = new over the flattened slot axis [L, 2, K, num_pages * page_size, H]."""
+    num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv.shape
+    flat = kv.reshape(num_layers, 2, num_kv_heads, num_pages * page_size, head_dim)
+    return flat.at[index].set(new.astype(kv.dtype)).reshape(kv.shape)
+
+
 def write_kv_pages(kv: jax.Array, new_kv: jax.Array, slot_ids: jax.Array) -> jax.Array:
     """Scatters every layer's new K/V rows into their slots of the KV array.
 
@@ -27,20 +34,17 @@ def write_kv_pages(kv: jax.Array, new_kv: jax.Array, slot_ids: jax.Array) -> jax
       slot_ids: i32[T] flat slot (page * page_size + offset) of each row.
     Returns: kv with exactly those T slots of every layer overwritten.
     """
-    num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv.shape
-    flat = kv.reshape(num_layers, 2, num_kv_heads, num_pages * page_size, head_dim)
-    new = new_kv.swapaxes(2, 3).astype(kv.dtype)  # [L, 2, K, T, H]
-    return flat.at[:, :, :, slot_ids].set(new).reshape(kv.shape)
+    return _scatter_slots(
+        kv, (slice(None), slice(None), slice(None), slot_ids), new_kv.swapaxes(2, 3)
+    )  # [L, 2, K, T, H]
 
 
 def write_layer_kv(
     kv: jax.Array, layer_index: int, k_new: jax.Array, v_new: jax.Array, slot_ids: jax.Array
 ) -> jax.Array:
     """write_kv_pages for one layer: k_new, v_new [T, K, H] into layer `layer_index`."""
-    num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv.shape
-    flat = kv.reshape(num_layers, 2, num_kv_heads, num_pages * page_size, head_dim)
-    new = jnp.stack([k_new, v_new], axis=1).astype(kv.dtype)  # [T, 2, K, H]
-    return flat.at[layer_index, :, :, slot_ids].set(new).reshape(kv.shape)
+    new = jnp.stack([k_new, v_new], axis=1)  # [T, 2, K, H]
+    return _scatter_slots(kv, (layer_index, slice(None), slice(None), slot_ids), new)
 
 
 def token_rows_and_positions(

@@ -1,0 +1,706 @@
+"""Page manager and scheduler (host side): property-based state machines plus unit tests.
+
+The state machines drive `PageManager` and `Scheduler` through random add / step / abort /
+finish sequences with a fake device that follows the engine's protocol (`LLMEngine.step` and
+`_postprocess`): after `schedule()`, each chunk advances `num_computed_tokens` by its size and a
+chunk that reaches the last known token appends one sampled token; a request finishes through
+`scheduler.finish` ("length" at `max_tokens`, "stop" at a drawn point, "abort" at any time).
+The fake device also keeps a fake KV cache (one token id per page slot): every chunk writes
+its tokens into the request's pages, then reads back every position it attends to, so a page
+handed to two requests at once or freed while still in use shows up as a wrong token.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from ksana_jax.kv_cache import SINK_PAGE
+from ksana_jax.page_manager import PageManager
+from ksana_jax.request import Request, RequestStatus
+from ksana_jax.sampling_params import SamplingParams
+from ksana_jax.scheduler import Scheduler, SchedulerOutput
+
+MACHINE_SETTINGS = settings(
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def contains(items, request) -> bool:
+    """Identity membership (`Request` is a dataclass, so `in` compares fields)."""
+    return any(r is request for r in items)
+
+
+def make_request(arrival: int, prompt_len: int, max_tokens: int = 16, priority: int = 0) -> Request:
+    return Request(
+        request_id=f"r{arrival}",
+        prompt_token_ids=[1000 * arrival + i for i in range(prompt_len)],
+        params=SamplingParams(max_tokens=max_tokens),
+        seed=0,
+        priority=priority,
+        arrival=arrival,
+    )
+
+
+def sampled_token(request: Request) -> int:
+    """What the fake device samples: depends only on the request and its output length."""
+    return 10**6 + 1000 * request.arrival + len(request.output_token_ids)
+
+
+def check_pool(pages: PageManager, owners: list[list[int]]) -> None:
+    """Refcounts equal owners, the free list is exactly the refcount-0 pages, sink unused."""
+    counts = collections.Counter(p for page_ids in owners for p in page_ids)
+    assert SINK_PAGE not in counts, "the sink page was handed out"
+    assert pages.refcounts[SINK_PAGE] == 0
+    for p in range(pages.num_pages):
+        assert pages.refcounts[p] == counts[p], (p, pages.refcounts[p], counts[p])
+    free = list(pages._free)
+    assert len(free) == len(set(free)), f"a page is free twice: {free}"
+    assert sorted(free) == [
+        p for p in range(pages.num_pages) if p != SINK_PAGE and pages.refcounts[p] == 0
+    ]
+    used = sum(1 for c in pages.refcounts if c > 0)
+    assert pages.num_free + used == pages.num_usable == pages.num_pages - 1
+
+
+# --------------------------------------------------------------------------- page manager
+
+
+class PageManagerMachine(RuleBasedStateMachine):
+    """Owners allocate, share and free pages; refcounts must always equal the references."""
+
+    def __init__(self):
+        super().__init__()
+        self.pages: PageManager | None = None
+        self.owners: list[list[int]] = []
+
+    @initialize(num_pages=st.integers(2, 24))
+    def configure(self, num_pages):
+        self.pages = PageManager(num_pages)
+
+    @rule(n=st.integers(0, 10))
+    def allocate(self, n):
+        free_before = self.pages.num_free
+        assert self.pages.can_allocate(n) == (n <= free_before)
+        if n > free_before:
+            with pytest.raises(RuntimeError):
+                self.pages.allocate(n)
+            assert self.pages.num_free == free_before
+            return
+        got = self.pages.allocate(n)
+        assert len(got) == len(set(got)) == n
+        assert all(self.pages.refcounts[p] == 1 for p in got)
+        self.owners.append(got)
+
+    @precondition(lambda self: self.owners)
+    @rule(data=st.data())
+    def share(self, data):
+        i = data.draw(st.integers(0, len(self.owners) - 1), label="owner")
+        page_ids = list(self.owners[i])
+        self.pages.share(page_ids)
+        self.owners.append(page_ids)
+
+    @precondition(lambda self: self.owners)
+    @rule(data=st.data())
+    def free(self, data):
+        i = data.draw(st.integers(0, len(self.owners) - 1), label="owner")
+        page_ids = self.owners.pop(i)
+        self.pages.free(page_ids)
+
+    @invariant()
+    def pool_consistent(self):
+        if self.pages is not None:
+            check_pool(self.pages, self.owners)
+
+    def teardown(self):
+        if self.pages is None or sys.exc_info()[1] is not None:
+            return
+        while self.owners:
+            self.pages.free(self.owners.pop())
+        check_pool(self.pages, [])
+        assert self.pages.num_free == self.pages.num_usable
+
+
+def test_page_manager_state_machine():
+    run_state_machine_as_test(PageManagerMachine, settings=MACHINE_SETTINGS)
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+STATS: collections.Counter = collections.Counter()
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random add / step / abort over a small pool, checked against the engine protocol."""
+
+    def __init__(self):
+        super().__init__()
+        self.sched: Scheduler | None = None
+        self.live: list[Request] = []  # added and not finished, in arrival order
+        self.finished: list[Request] = []
+        self.spec: dict[str, tuple[int, int | None]] = {}  # id -> (max_tokens, stop_at)
+        self.expected_out: dict[str, list[int]] = {}
+        self.kv: dict[int, list[int | None]] = {}  # the fake device's KV: page -> slots
+        self.arrivals = 0
+
+    # ---- rules
+
+    @initialize(
+        page_size=st.integers(2, 8),
+        num_pages=st.integers(8, 40),
+        max_num_seqs=st.integers(1, 8),
+        max_num_batched_tokens=st.integers(1, 64),
+    )
+    def configure(self, page_size, num_pages, max_num_seqs, max_num_batched_tokens):
+        self.page_size = page_size
+        self.pages = PageManager(num_pages)
+        self.sched = Scheduler(self.pages, page_size, max_num_seqs, max_num_batched_tokens)
+        # A request never holds K/V for more than prompt + max_tokens - 1 tokens (the last
+        # sampled token is not fed back), and that must fit the pool alone (liveness).
+        self.capacity = self.pages.num_usable * page_size
+        self.kv = {p: [None] * page_size for p in range(num_pages)}
+
+    @rule(data=st.data(), priority=st.integers(0, 2))
+    def add(self, data, priority):
+        prompt_len = data.draw(st.integers(1, min(60, self.capacity)), label="prompt_len")
+        max_tokens = data.draw(
+            st.integers(1, min(40, self.capacity - prompt_len + 1)), label="max_tokens"
+        )
+        stop_at = data.draw(st.none() | st.integers(1, max_tokens), label="stop_at")
+        request = make_request(self.arrivals, prompt_len, max_tokens, priority)
+        self.arrivals += 1
+        self.spec[request.request_id] = (max_tokens, stop_at)
+        self.expected_out[request.request_id] = []
+        self.sched.add(request)
+        self.live.append(request)
+        assert request.status is RequestStatus.WAITING
+
+    @rule(times=st.integers(1, 4))
+    def step(self, times):
+        for _ in range(times):
+            self.do_step()
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), prefer_preempted=st.booleans())
+    def abort(self, data, prefer_preempted):
+        preempted = [r for r in self.live if r.num_preemptions and contains(self.sched.waiting, r)]
+        pool = preempted if prefer_preempted and preempted else self.live
+        request = data.draw(st.sampled_from(pool), label="abort")
+        if request.status is RequestStatus.RUNNING:
+            event("abort running")
+        elif request.num_preemptions:
+            event("abort preempted")
+            STATS["abort preempted"] += 1
+        else:
+            event("abort waiting")
+        self.end(request, "abort")
+
+    # ---- the engine protocol with a fake device
+
+    def end(self, request: Request, reason: str) -> None:
+        self.sched.finish(request, reason)
+        assert request.status is RequestStatus.FINISHED
+        assert request.finish_reason == reason
+        assert request.page_ids == []
+        assert not contains(self.sched.running, request)
+        assert not contains(self.sched.waiting, request)
+        self.live = [r for r in self.live if r is not request]
+        self.finished.append(request)
+        STATS[f"finish {reason}"] += 1
+
+    def do_step(self) -> SchedulerOutput:
+        sched = self.sched
+        ps = self.page_size
+        running_before = list(sched.running)
+        waiting_before = list(sched.waiting)
+        had_work = sched.has_unfinished()
+        before = {
+            r.request_id: (r.num_computed_tokens, list(r.output_token_ids)) for r in self.live
+        }
+        preemptions_before = {r.request_id: r.num_preemptions for r in self.live}
+
+        out = sched.schedule()
+        chunks = out.chunks
+        requests = [c.request for c in chunks]
+
+        # Budgets.
+        assert len(chunks) <= sched.max_num_seqs
+        assert out.num_tokens == sum(c.num_tokens for c in chunks)
+        assert out.num_tokens <= sched.max_num_batched_tokens
+        # Something always runs while something is unfinished (a max-size request fits).
+        assert bool(chunks) == had_work
+        # No request twice in a step.
+        assert len({id(r) for r in requests}) == len(requests)
+
+        for c in chunks:
+            r = c.request
+            assert contains(self.live, r)
+            assert r.status is RequestStatus.RUNNING and contains(sched.running, r)
+            assert c.num_tokens >= 1
+            assert c.start == before[r.request_id][0], "chunk does not start at computed"
+            assert c.start + c.num_tokens <= r.num_tokens
+            assert c.samples == (c.start + c.num_tokens == r.num_tokens)
+            assert c.token_ids == r.all_token_ids[c.start : c.start + c.num_tokens]
+            # Exactly the pages this chunk needs: enough, and no more.
+            assert len(r.page_ids) == cdiv(c.start + c.num_tokens, ps)
+
+        # Running requests first (in scheduling order), then waiting ones start in order.
+        num_old = sum(1 for r in requests if contains(running_before, r))
+        old, new = requests[:num_old], requests[num_old:]
+        assert all(contains(running_before, r) for r in old)
+        assert [r.sort_key for r in old] == sorted(r.sort_key for r in old)
+        assert all(a is b for a, b in zip(new, waiting_before, strict=False))
+        assert len(new) <= len(waiting_before)
+        if running_before:
+            # The best-ranked running request always runs: it is only ever preempted when
+            # it ranks last, i.e. alone, and alone it fits (this is what makes progress).
+            assert requests and requests[0] is running_before[0]
+        skipped = [
+            r for r in running_before if not contains(old, r) and not contains(out.preempted, r)
+        ]
+        budget_left = sched.max_num_batched_tokens - out.num_tokens
+        seqs_left = sched.max_num_seqs - len(chunks)
+        if skipped:
+            # A running request is only left out when a budget is spent ...
+            assert budget_left == 0 or seqs_left == 0
+            # ... and then no waiting request may start instead of it.
+            assert not new
+        if out.preempted:
+            assert not new, "a waiting request started in a step that had to preempt"
+        elif sched.waiting and budget_left and seqs_left:
+            # Work conserving: the head of the queue stayed only because it needs more pages.
+            head = sched.waiting[0]
+            n = min(head.num_tokens - head.num_computed_tokens, budget_left)
+            assert cdiv(n, ps) > self.pages.num_free
+
+        # Preemption: the victims are running requests ranked below everything that ran.
+        if out.preempted:
+            STATS["preemptions"] += len(out.preempted)
+            event("preempted")
+        keys = [v.sort_key for v in out.preempted]
+        assert keys == sorted(keys, reverse=True) and len(set(keys)) == len(keys)
+        for v in out.preempted:
+            assert contains(running_before, v)
+            # Newest lowest-priority first: everything ranked below a victim went before it.
+            assert all(
+                contains(out.preempted, r) for r in running_before if r.sort_key > v.sort_key
+            )
+            assert not contains(requests, v)
+            assert all(r.sort_key < v.sort_key for r in old)
+            assert v.status is RequestStatus.WAITING and contains(sched.waiting, v)
+            assert v.page_ids == [] and v.num_computed_tokens == 0
+            assert v.output_token_ids == before[v.request_id][1], "preemption lost outputs"
+            assert v.num_preemptions == preemptions_before[v.request_id] + 1
+
+        # The fake device: write every chunk's K/V, then check every attended position.
+        for c in chunks:
+            r = c.request
+            for pos in range(c.start, c.start + c.num_tokens):
+                self.kv[r.page_ids[pos // ps]][pos % ps] = r.all_token_ids[pos]
+        for c in chunks:
+            r = c.request
+            seen = [
+                self.kv[r.page_ids[pos // ps]][pos % ps] for pos in range(c.start + c.num_tokens)
+            ]
+            assert seen == r.all_token_ids[: c.start + c.num_tokens], "K/V clobbered"
+
+        # Postprocess, as the engine does.
+        for c in chunks:
+            r = c.request
+            r.num_computed_tokens += c.num_tokens
+            if not c.samples:
+                continue
+            token = sampled_token(r)
+            r.output_token_ids.append(token)
+            self.expected_out[r.request_id].append(token)
+            max_tokens, stop_at = self.spec[r.request_id]
+            if len(r.output_token_ids) >= max_tokens:
+                self.end(r, "length")
+            elif len(r.output_token_ids) == stop_at:
+                self.end(r, "stop")
+        STATS["steps"] += 1
+        return out
+
+    # ---- invariants
+
+    @invariant()
+    def consistent(self):
+        if self.sched is None:
+            return
+        sched = self.sched
+        check_pool(self.pages, [r.page_ids for r in self.live])
+        counts = collections.Counter(p for r in self.live for p in r.page_ids)
+        assert all(c == 1 for c in counts.values()), "a page is owned twice"
+        for lst in (sched.running, sched.waiting):
+            keys = [r.sort_key for r in lst]
+            assert keys == sorted(keys)
+        assert sorted(id(r) for r in sched.running + sched.waiting) == sorted(
+            id(r) for r in self.live
+        )
+        for r in self.live:
+            max_tokens, _ = self.spec[r.request_id]
+            assert r.output_token_ids == self.expected_out[r.request_id]
+            assert len(r.output_token_ids) < max_tokens
+            assert r.num_tokens <= len(r.prompt_token_ids) + max_tokens - 1
+            if contains(sched.running, r):
+                assert r.status is RequestStatus.RUNNING
+                assert r.num_computed_tokens < r.num_tokens
+                assert len(r.page_ids) == cdiv(r.num_computed_tokens, self.page_size)
+            else:
+                assert r.status is RequestStatus.WAITING
+                assert r.page_ids == [] and r.num_computed_tokens == 0
+        for r in self.finished:
+            assert r.status is RequestStatus.FINISHED and r.page_ids == []
+
+    def teardown(self):
+        if self.sched is None or sys.exc_info()[1] is not None:
+            return  # a rule already failed; let that error through
+        # Liveness: without new requests everything finishes. Each step advances the
+        # best-ranked running request, which is never preempted while it is ranked first,
+        # so (number of requests) * (sum of their token counts) steps always suffice.
+        sizes = [len(r.prompt_token_ids) + self.spec[r.request_id][0] for r in self.live]
+        bound = len(sizes) * sum(sizes) + 1
+        steps = 0
+        while self.live:
+            assert steps < bound, f"no progress after {steps} steps: livelock"
+            self.do_step()
+            self.consistent()
+            steps += 1
+        assert not self.sched.has_unfinished()
+        assert not self.sched.schedule().chunks
+        # The pool is full again.
+        assert self.pages.num_free == self.pages.num_usable
+        assert all(c == 0 for c in self.pages.refcounts)
+        check_pool(self.pages, [])
+        for r in self.finished:
+            max_tokens, stop_at = self.spec[r.request_id]
+            assert r.output_token_ids == self.expected_out[r.request_id]
+            n = len(r.output_token_ids)
+            if r.finish_reason == "length":
+                assert n == max_tokens
+            elif r.finish_reason == "stop":
+                assert n == stop_at
+            else:
+                assert r.finish_reason == "abort" and n <= max_tokens
+
+
+def test_scheduler_state_machine():
+    STATS.clear()
+    run_state_machine_as_test(SchedulerMachine, settings=MACHINE_SETTINGS)
+    # The random runs really exercise the interesting paths.
+    assert STATS["preemptions"] > 50, STATS
+    assert STATS["abort preempted"] > 0, STATS
+    assert STATS["finish length"] > 0 and STATS["finish stop"] > 0, STATS
+
+
+# --------------------------------------------------------------------------- unit tests
+
+
+def make_scheduler(num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_tokens=64):
+    pages = PageManager(num_pages)
+    return Scheduler(pages, page_size, max_num_seqs, max_num_batched_tokens), pages
+
+
+def engine_step(sched: Scheduler) -> SchedulerOutput:
+    """One step of the engine protocol with a fake device; finishes at max_tokens.
+
+    `out.sampled` records which chunks sampled (`chunk.samples` changes once a token is
+    appended)."""
+    out = sched.schedule()
+    out.sampled = [c.samples for c in out.chunks]
+    for c in out.chunks:
+        r = c.request
+        r.num_computed_tokens += c.num_tokens
+        if c.samples:
+            r.output_token_ids.append(sampled_token(r))
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                sched.finish(r, "length")
+    return out
+
+
+def summary(out: SchedulerOutput) -> list[tuple[str, int, int]]:
+    return [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
+
+
+def start_order(sched: Scheduler, max_steps=1000) -> list[str]:
+    """Runs to completion; the order in which requests were first scheduled."""
+    order: list[str] = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return order
+        for c in engine_step(sched).chunks:
+            if c.request.request_id not in order:
+                order.append(c.request.request_id)
+    raise AssertionError("did not finish")
+
+
+def test_fcfs_order():
+    sched, pages = make_scheduler(max_num_seqs=1)
+    reqs = [make_request(i, prompt_len=3 + i, max_tokens=2) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    assert [r.request_id for r in sched.waiting] == ["r0", "r1", "r2", "r3"]
+    # One sequence at a time: each runs to completion before the next starts.
+    out = engine_step(sched)
+    assert summary(out) == [("r0", 0, 3)]
+    assert start_order(sched) == ["r0", "r1", "r2", "r3"]
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert pages.num_free == pages.num_usable
+
+
+def test_fcfs_order_with_room_for_two():
+    sched, _ = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        sched.add(make_request(i, prompt_len=4, max_tokens=3))
+    assert summary(engine_step(sched)) == [("r0", 0, 4), ("r1", 0, 4)]
+    assert summary(engine_step(sched)) == [("r0", 4, 1), ("r1", 4, 1)]
+    assert start_order(sched) == ["r0", "r1", "r2", "r3"]
+
+
+def test_priority_order():
+    sched, pages = make_scheduler(max_num_seqs=1)
+    # (arrival, priority): lower priority value first, ties by arrival.
+    for arrival, priority in [(0, 1), (1, 0), (2, 0), (3, -1), (4, 1), (5, 2)]:
+        sched.add(make_request(arrival, prompt_len=5, max_tokens=2, priority=priority))
+    assert [r.request_id for r in sched.waiting] == ["r3", "r1", "r2", "r0", "r4", "r5"]
+    assert start_order(sched) == ["r3", "r1", "r2", "r0", "r4", "r5"]
+    assert pages.num_free == pages.num_usable
+
+
+def test_priority_arrival_while_running():
+    """A later, more urgent request is scheduled ahead of earlier waiting ones."""
+    sched, _ = make_scheduler(max_num_seqs=1)
+    sched.add(make_request(0, prompt_len=4, max_tokens=3))
+    sched.add(make_request(1, prompt_len=4, max_tokens=3))
+    assert summary(engine_step(sched)) == [("r0", 0, 4)]
+    sched.add(make_request(2, prompt_len=4, max_tokens=3, priority=-1))
+    # r0 keeps running (no preemption for priority alone); r2 is next, then r1.
+    assert start_order(sched) == ["r0", "r2", "r1"]
+
+
+def test_decode_first_then_chunked_prefill():
+    sched, _ = make_scheduler(max_num_seqs=8, max_num_batched_tokens=16)
+    for i in range(3):
+        sched.add(make_request(i, prompt_len=4, max_tokens=10))
+    out = engine_step(sched)
+    assert summary(out) == [("r0", 0, 4), ("r1", 0, 4), ("r2", 0, 4)]
+    assert out.sampled == [True] * 3
+    long = make_request(3, prompt_len=40, max_tokens=10)
+    sched.add(long)
+    # Three decode tokens first, then a 13-token chunk of the new prompt (16 - 3).
+    out = engine_step(sched)
+    assert summary(out) == [("r0", 4, 1), ("r1", 4, 1), ("r2", 4, 1), ("r3", 0, 13)]
+    assert out.sampled == [True, True, True, False]
+    assert long.output_token_ids == [] and long.num_computed_tokens == 13
+    out = engine_step(sched)
+    assert summary(out) == [("r0", 5, 1), ("r1", 5, 1), ("r2", 5, 1), ("r3", 13, 13)]
+    out = engine_step(sched)
+    assert summary(out) == [("r0", 6, 1), ("r1", 6, 1), ("r2", 6, 1), ("r3", 26, 13)]
+    # The last prompt token is alone in its chunk, and that chunk samples.
+    out = engine_step(sched)
+    assert summary(out) == [("r0", 7, 1), ("r1", 7, 1), ("r2", 7, 1), ("r3", 39, 1)]
+    assert out.sampled == [True] * 4
+    assert len(long.output_token_ids) == 1
+    out = engine_step(sched)
+    assert summary(out) == [("r0", 8, 1), ("r1", 8, 1), ("r2", 8, 1), ("r3", 40, 1)]
+
+
+def test_chunked_prefill_alone_and_max_num_seqs():
+    sched, _ = make_scheduler(max_num_seqs=2, max_num_batched_tokens=16)
+    sched.add(make_request(0, prompt_len=40, max_tokens=2))
+    sched.add(make_request(1, prompt_len=3, max_tokens=2))
+    sched.add(make_request(2, prompt_len=3, max_tokens=2))
+    assert summary(engine_step(sched)) == [("r0", 0, 16)]
+    assert summary(engine_step(sched)) == [("r0", 16, 16)]
+    # r0 takes 8, r1 takes 3 of the rest; r2 waits for a sequence slot, not for tokens.
+    assert summary(engine_step(sched)) == [("r0", 32, 8), ("r1", 0, 3)]
+    assert summary(engine_step(sched)) == [("r0", 40, 1), ("r1", 3, 1)]
+    assert summary(engine_step(sched)) == [("r2", 0, 3)]
+
+
+def test_preemption_picks_the_lowest_priority_newest_request():
+    # 6 usable pages of 2 tokens. Three 4-token prompts fill the pool after prefill.
+    sched, pages = make_scheduler(num_pages=7, page_size=2, max_num_batched_tokens=64)
+    r0 = make_request(0, prompt_len=4, max_tokens=8, priority=0)
+    r1 = make_request(1, prompt_len=4, max_tokens=8, priority=1)  # lowest priority
+    r2 = make_request(2, prompt_len=4, max_tokens=8, priority=0)  # newest
+    for r in (r0, r1, r2):
+        sched.add(r)
+    out = engine_step(sched)
+    assert summary(out) == [("r0", 0, 4), ("r2", 0, 4), ("r1", 0, 4)]
+    assert pages.num_free == 0
+    outputs_r1 = list(r1.output_token_ids)
+    # Decoding needs a third page each: r1 (largest (priority, arrival)) is preempted.
+    late = make_request(3, prompt_len=2, max_tokens=2)
+    sched.add(late)
+    out = engine_step(sched)
+    assert out.preempted == [r1]
+    assert summary(out) == [("r0", 4, 1), ("r2", 4, 1)]
+    assert r1.status is RequestStatus.WAITING and r1.page_ids == []
+    assert r1.num_computed_tokens == 0 and r1.num_preemptions == 1
+    assert r1.output_token_ids == outputs_r1 and len(outputs_r1) == 1
+    # Requeued by (priority, arrival): behind the later but more urgent r3.
+    assert [r.request_id for r in sched.waiting] == ["r3", "r1"]
+    check_pool(pages, [r.page_ids for r in (r0, r1, r2, late)])
+    # Run to the end: r1 is recomputed from its prompt plus its kept output.
+    recomputed = []
+    while sched.has_unfinished():
+        out = engine_step(sched)
+        recomputed += [c for c in out.chunks if c.request is r1 and c.start == 0]
+        check_pool(pages, [r.page_ids for r in (r0, r1, r2, late) if not r.is_finished])
+    assert recomputed and recomputed[0].num_tokens == 5
+    assert recomputed[0].token_ids == r1.prompt_token_ids + outputs_r1
+    assert len(r1.output_token_ids) == 8 and r1.output_token_ids[0] == outputs_r1[0]
+    assert pages.num_free == pages.num_usable
+
+
+def test_preempted_request_requeued_ahead_of_later_arrivals():
+    sched, pages = make_scheduler(num_pages=7, page_size=2)
+    reqs = [make_request(i, prompt_len=4, max_tokens=8) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    engine_step(sched)
+    later = [make_request(i, prompt_len=2, max_tokens=2) for i in (3, 4)]
+    for r in later:
+        sched.add(r)
+    out = engine_step(sched)
+    # r0 and r1 need a page each; only the newest (r2) goes.
+    assert out.preempted == [reqs[2]]
+    assert summary(out) == [("r0", 4, 1), ("r1", 4, 1)]
+    assert [r.request_id for r in sched.waiting] == ["r2", "r3", "r4"]
+    # r2 resumes before the later arrivals start.
+    assert start_order(sched) == ["r0", "r1", "r2", "r3", "r4"]
+    assert pages.num_free == pages.num_usable
+
+
+def test_request_preempts_itself_when_it_ranks_last():
+    # 4 usable pages of 2 tokens. r0's decode fits its pages; r1's needs a fifth page.
+    sched, pages = make_scheduler(num_pages=5, page_size=2)
+    r0 = make_request(0, prompt_len=3, max_tokens=4)
+    r1 = make_request(1, prompt_len=4, max_tokens=4)
+    sched.add(r0)
+    sched.add(r1)
+    assert summary(engine_step(sched)) == [("r0", 0, 3), ("r1", 0, 4)]
+    out = engine_step(sched)
+    assert summary(out) == [("r0", 3, 1)]
+    assert out.preempted == [r1]
+    assert r1.page_ids == [] and len(r1.output_token_ids) == 1
+    # r0 takes one of the freed pages; r1 (5 tokens to recompute, 3 pages) must wait.
+    out = engine_step(sched)
+    assert summary(out) == [("r0", 4, 1)] and out.preempted == []
+    assert summary(engine_step(sched)) == [("r0", 5, 1)]
+    assert r0.finish_reason == "length"
+    out = engine_step(sched)
+    assert summary(out) == [("r1", 0, 5)]
+    assert out.chunks[0].token_ids == r1.prompt_token_ids + r1.output_token_ids[:1]
+    while sched.has_unfinished():
+        engine_step(sched)
+    assert r0.finish_reason == r1.finish_reason == "length"
+    assert len(r1.output_token_ids) == 4
+    assert pages.num_free == pages.num_usable
+
+
+def test_abort_waiting_running_and_preempted_frees_everything():
+    sched, pages = make_scheduler(num_pages=7, page_size=2)
+    reqs = [make_request(i, prompt_len=4, max_tokens=8) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    engine_step(sched)
+    never_started = make_request(3, prompt_len=6, max_tokens=4)
+    sched.add(never_started)
+    out = engine_step(sched)
+    preempted = reqs[2]
+    assert out.preempted == [preempted]
+    running = reqs[0]
+    assert running.status is RequestStatus.RUNNING and running.page_ids
+
+    for r in (preempted, never_started, running):
+        sched.finish(r, "abort")
+        assert r.status is RequestStatus.FINISHED and r.finish_reason == "abort"
+        assert r.page_ids == [] and r.num_computed_tokens == 0
+        assert not contains(sched.running, r) and not contains(sched.waiting, r)
+        check_pool(pages, [x.page_ids for x in [*reqs, never_started] if not x.is_finished])
+    assert preempted.output_token_ids  # outputs are kept for the abort's report
+    assert [r.request_id for r in sched.running] == ["r1"]
+    sched.finish(reqs[1], "abort")
+    assert not sched.has_unfinished()
+    assert pages.num_free == pages.num_usable
+    assert all(c == 0 for c in pages.refcounts)
+    out = sched.schedule()
+    assert out.chunks == [] and out.preempted == []
+
+
+def test_abort_mid_prefill_then_others_proceed():
+    sched, pages = make_scheduler(num_pages=9, page_size=4, max_num_batched_tokens=8)
+    big = make_request(0, prompt_len=30, max_tokens=2)
+    small = make_request(1, prompt_len=3, max_tokens=2)
+    sched.add(big)
+    sched.add(small)
+    assert summary(engine_step(sched)) == [("r0", 0, 8)]
+    assert len(big.page_ids) == 2
+    sched.finish(big, "abort")
+    assert pages.num_free == pages.num_usable
+    assert summary(engine_step(sched)) == [("r1", 0, 3)]
+    engine_step(sched)
+    assert small.finish_reason == "length"
+    assert pages.num_free == pages.num_usable
+
+
+# --------------------------------------------------------------------------- page manager
+
+
+def test_page_manager_allocate_share_free():
+    pm = PageManager(6)
+    assert pm.num_usable == 5 and pm.num_free == 5
+    a = pm.allocate(3)
+    assert len(set(a)) == 3 and SINK_PAGE not in a
+    assert all(pm.refcounts[p] == 1 for p in a) and pm.num_free == 2
+    assert pm.can_allocate(2) and not pm.can_allocate(3)
+    with pytest.raises(RuntimeError):
+        pm.allocate(3)
+    assert pm.num_free == 2
+    pm.share(a[:2])
+    assert [pm.refcounts[p] for p in a] == [2, 2, 1]
+    pm.free(a)
+    assert [pm.refcounts[p] for p in a] == [1, 1, 0] and pm.num_free == 3
+    check_pool(pm, [a[:2]])
+    pm.free(a[:2])
+    assert pm.num_free == 5 and all(c == 0 for c in pm.refcounts)
+    with pytest.raises(AssertionError, match="double free"):
+        pm.free([a[0]])
+    with pytest.raises(AssertionError, match="sharing free page"):
+        pm.share([a[0]])
+    b = pm.allocate(5)
+    assert sorted(b) == [1, 2, 3, 4, 5]
+    with pytest.raises(AssertionError, match="double free"):
+        pm.free([SINK_PAGE])
+    assert pm.allocate(0) == []
+    pm.free(b)
+    check_pool(pm, [])
+
+
+def test_page_manager_rejects_tiny_pool():
+    with pytest.raises(ValueError, match="num_pages"):
+        PageManager(1)
