@@ -53,7 +53,8 @@ def token_rows_and_positions(
     """Per token slot: its sequence row i32[T], its position i32[T], and whether it is real."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     num_seqs = seq_lens.shape[0]
-    rows = jnp.clip(jnp.searchsorted(query_starts, t, side="right") - 1, 0, num_seqs - 1)
+    # Row of token t: how many later rows start at or before it (a vectorised searchsorted).
+    rows = jnp.minimum(jnp.sum(query_starts[None, 1:num_seqs] <= t[:, None], axis=1), num_seqs - 1)
     positions = seq_lens[rows] - (query_starts[rows + 1] - t)
     return rows, positions, t < query_starts[num_seqs]
 
