@@ -44,7 +44,9 @@ class LLM:
         self.config = engine_config(**config)
         if self.config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", self.config.compilation_cache_dir)
-        if not isinstance(model, Model):
+        if isinstance(model, Model):
+            model = model.with_dtype(self.config.dtype)
+        else:
             model = load(resolve_model(str(model)), dtype=self.config.dtype)
         self.model = model
         self.tokenizer = model.tokenizer

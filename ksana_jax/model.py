@@ -62,6 +62,15 @@ class Model:
             ids.append(self.tokenizer.eos_token_id)
         return tuple(dict.fromkeys(int(i) for i in ids))
 
+    def with_dtype(self, dtype: str) -> Model:
+        """This model with its parameters cast to `dtype` ("auto" keeps them)."""
+        if dtype in ("auto", self.dtype):
+            return self
+        params = jax.tree.map(lambda x: x.astype(dtype), self.params)
+        return dataclasses.replace(
+            self, params=params, config=dataclasses.replace(self.config, dtype=dtype)
+        )
+
     def logits(self, token_ids: Sequence[int], page_size: int = 16) -> np.ndarray:
         """Logits f32[T, V] at every position of `token_ids`, via one paged prefill."""
         n = len(token_ids)

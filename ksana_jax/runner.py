@@ -25,6 +25,7 @@ from ksana_jax.kv_cache import (
 )
 from ksana_jax.model import Model
 from ksana_jax.models import llama
+from ksana_jax.pallas_kernels import resolve_backend
 from ksana_jax.sampling import SampledTokens, SamplingInputs, sample
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.scheduler import ScheduledChunk
@@ -34,7 +35,9 @@ GIB = 1 << 30
 MAX_SUPPRESSED_IDS = 8  # EOS + stop_token_ids banned while a request is below min_tokens
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_logprobs"), donate_argnames=("kv",))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "max_logprobs", "backend"), donate_argnames=("kv",)
+)
 def engine_step(
     params: llama.LlamaParams,
     cfg: ModelConfig,
@@ -42,9 +45,10 @@ def engine_step(
     inputs: StepInputs,
     sampling: SamplingInputs,
     max_logprobs: int,
+    backend: str = "reference",
 ) -> tuple[SampledTokens, jax.Array]:
     """Forward over the ragged batch, then sample each row's last token."""
-    hidden, kv = llama.forward(params, cfg, kv, inputs)
+    hidden, kv = llama.forward(params, cfg, kv, inputs, backend)
     last = jnp.maximum(inputs.query_starts[1:] - 1, 0)  # [S]
     logits = llama.logits(params, hidden[last])
     return sample(logits, sampling, max_logprobs), kv
@@ -88,13 +92,12 @@ class ModelRunner:
                 "needs; raise num_pages / kv_cache_memory_gib or lower max_model_len"
             )
         self.kv_spec = KVCacheSpec.for_model(
-            model.config, self.num_pages, config.page_size, model.dtype
+            model.config, self.num_pages, config.page_size, kv_dtype
         )
         self.kv = allocate_kv(self.kv_spec)
+        self.backend = resolve_backend(config.attention_backend, jax.default_backend())
 
-    def run(self, chunks: list[ScheduledChunk]) -> SampledTokens:
-        """Runs one step; returns each chunk's sampled token and logprobs (numpy, [rows])."""
-        inputs, sampling = self._prepare(chunks)
+    def _step(self, inputs: StepInputs, sampling: SamplingInputs) -> SampledTokens:
         out, self.kv = engine_step(
             self.model.params,
             self.model.config,
@@ -102,8 +105,13 @@ class ModelRunner:
             inputs,
             sampling,
             self.config.max_logprobs,
+            self.backend,
         )
-        out = jax.device_get(out)
+        return out
+
+    def run(self, chunks: list[ScheduledChunk]) -> SampledTokens:
+        """Runs one step; returns each chunk's sampled token and logprobs (numpy, [rows])."""
+        out = jax.device_get(self._step(*self._prepare(chunks)))
         n = len(chunks)
         return SampledTokens(
             out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n]
@@ -164,16 +172,7 @@ class ModelRunner:
             inputs = build_step_inputs(
                 [], self.config.page_size, num_tokens, num_seqs, context // self.config.page_size
             )
-            sampling = self._sampling_inputs([], num_seqs)
-            out, self.kv = engine_step(
-                self.model.params,
-                self.model.config,
-                self.kv,
-                inputs,
-                sampling,
-                self.config.max_logprobs,
-            )
-            jax.block_until_ready(out)
+            jax.block_until_ready(self._step(inputs, self._sampling_inputs([], num_seqs)))
         return len(shapes)
 
 

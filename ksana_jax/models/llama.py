@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ksana_jax import pallas_kernels
 from ksana_jax.config import ModelConfig
 from ksana_jax.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
-from ksana_jax.pallas_kernels import reference
 from ksana_jax.step_inputs import StepInputs
 
 
@@ -134,6 +134,7 @@ def _decoder_layer(
     x: jax.Array,
     layer_index: int,
     layer: LayerParams,
+    backend: str,
 ) -> tuple[jax.Array, jax.Array]:
     """One decoder layer: x f32[T, D] -> f32[T, D], and kv with this layer's new K/V written.
 
@@ -155,8 +156,10 @@ def _decoder_layer(
     # Round through the KV dtype so this step attends to exactly what later steps will read.
     k_new, v_new = k_new.astype(kv.dtype), v_new.astype(kv.dtype)
 
-    kv = reference.write_layer_kv(kv, layer_index, k_new, v_new, inputs.slot_ids)
-    attn = reference.ragged_paged_attention(
+    interpret = backend != "reference" and jax.default_backend() == "cpu"
+    write = pallas_kernels.get_layer_kv_writer(backend, interpret)
+    kv = write(kv, layer_index, k_new, v_new, inputs.slot_ids)
+    attn = pallas_kernels.get_attention(backend, interpret)(
         q,
         k_new,
         v_new,
@@ -174,7 +177,11 @@ def _decoder_layer(
 
 
 def forward(
-    params: LlamaParams, cfg: ModelConfig, kv: jax.Array, inputs: StepInputs
+    params: LlamaParams,
+    cfg: ModelConfig,
+    kv: jax.Array,
+    inputs: StepInputs,
+    backend: str = "reference",
 ) -> tuple[jax.Array, jax.Array]:
     """One ragged step.
 
@@ -183,11 +190,13 @@ def forward(
       cfg: static model configuration.
       kv: [L, 2, K, num_pages, page_size, H] paged KV (see kv_cache.py).
       inputs: the step's tokens and page tables (T tokens, S sequences).
+      backend: attention backend, "reference" | "pallas_tpu" | "pallas_gpu" (a Pallas
+        backend on CPU runs in interpret mode: tests only).
     Returns: final-norm hidden states f32[T, D] and the updated kv.
     """
     x = params.embed[inputs.token_ids].astype(jnp.float32)  # [T, D]
     for i, layer in enumerate(params.layers):
-        x, kv = _decoder_layer(cfg, inputs, kv, x, i, layer)
+        x, kv = _decoder_layer(cfg, inputs, kv, x, i, layer, backend)
     return rms_norm(x, params.final_norm, cfg.rms_norm_eps), kv
 
 

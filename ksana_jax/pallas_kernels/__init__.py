@@ -6,13 +6,15 @@ Every attention backend has one signature (semantics: `reference.ragged_paged_at
          layer_index i32[], page_table i32[S, P], seq_lens i32[S], query_starts i32[S+1],
          *, sm_scale) -> f32[T, N, H]
 
-and every KV writer one (semantics: `reference.write_kv_pages`):
+and the KV writers two (semantics: `reference.write_kv_pages`, `reference.write_layer_kv`):
 
     write(kv [L, 2, K, num_pages, page_size, H], new_kv [L, 2, T, K, H], slot_ids i32[T]) -> kv
+    write_layer(kv, layer_index, k_new [T, K, H], v_new [T, K, H], slot_ids i32[T]) -> kv
 
 Backends: "reference" (pure jnp; the oracle and the CPU path), "pallas_tpu"
 (ragged_paged_attention_tpu.py, write_kv_pages_tpu.py: Mosaic), "pallas_gpu"
-(paged_attention_gpu.py, write_kv_pages_gpu.py: Triton). `resolve_backend("auto", platform)`
+(paged_attention_gpu.py, write_kv_pages_gpu.py: Triton); attention_args.py checks the
+arguments for every kernel. `resolve_backend("auto", platform)`
 picks the kernel for the platform. Kernel modules are imported on first use, so importing
 this package (the model does, for the reference) does not import Pallas.
 """
@@ -42,6 +44,7 @@ _WRITER_MODULES = {
 
 AttentionFn = Callable[..., jax.Array]
 KVWriteFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+LayerKVWriteFn = Callable[..., jax.Array]
 
 
 def resolve_backend(backend: str, platform: str) -> str:
@@ -91,3 +94,12 @@ def get_kv_writer(backend: str, interpret: bool = False) -> KVWriteFn:
     if module is None:
         return reference.write_kv_pages
     return functools.partial(module.write_kv_pages, interpret=interpret)
+
+
+def get_layer_kv_writer(backend: str, interpret: bool = False) -> LayerKVWriteFn:
+    """The one-layer KV write of `backend` (`reference.write_layer_kv`'s signature); the
+    Pallas ones alias the KV array to their output, like get_kv_writer's."""
+    module = _kernel_module(backend, _WRITER_MODULES, interpret)
+    if module is None:
+        return reference.write_layer_kv
+    return functools.partial(module.write_layer_kv, interpret=interpret)

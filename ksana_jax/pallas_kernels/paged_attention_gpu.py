@@ -1,0 +1,389 @@
+"""Ragged paged attention for GPU in Pallas (Triton lowering): decode and prefill rows.
+
+Same semantics as `reference.ragged_paged_attention` (read its docstring): T flattened new
+tokens of S rows attend, with grouped-query heads, to their row's cached keys (read from
+the paged KV array of layer `layer_index` through the page table) and causally to the
+step's new keys of the same row (`k_new`/`v_new`, not yet in the pages). Padding tokens
+give zeros.
+
+Lowering: Triton (`compiler_params=triton.CompilerParams`), not jax 0.10.2's default
+Mosaic GPU. Why: a paged kernel is a gather -- every key block reads token slots scattered
+over pages named by the page table -- and Triton expresses that directly as a masked
+pointer load (`kv[layer, 0|1, k, page_ids, slots, :]`), with out-of-range slots never
+read; it runs on every CUDA GPU jax supports (Ampere, Hopper, Blackwell) and on ROCm, and
+its software pipelining of the key loop needs no hand-written barriers. Mosaic GPU targets
+Hopper+ only, gathers through TMA/async copies with explicit barriers and 64-row WGMMA
+tiles, and `pl.pallas_call` for it is deprecated in favour of `plgpu.kernel` -- more code
+and more hardware-specific for no gain at these shapes. The price: Triton IR has no
+serialization-compatibility guarantee, so `jax.export` of this kernel must name the
+custom call `__gpu$xla.gpu.triton` in `disabled_checks` (the lowering itself, with its
+power-of-two shape checks, runs on a CPU-only machine).
+
+Grid: (query tiles, K KV heads, key splits). A query tile is up to `block_q` consecutive
+tokens of ONE row (the wrapper lists every row's tiles; a decode row is one tile; tiles
+past the list exit at once), so no compute is spent on other rows' queries. Its queries
+for KV head k form an [block_q * G_pad, H] matrix (G_pad = query heads per KV head padded
+to a power of two, as Triton requires: G=3 computes 4 rows per token). Key split s
+takes the s-th of `num_kv_splits` equal slices (whole key blocks) of the longest possible
+context, P * page_size, and stops at the row's cached length, so long-context decode of
+few rows still keeps every SM busy; the last split also takes the step's new keys.
+
+What each program loads, block by block (`block_k` keys):
+  - cached keys/values: positions p of its split, pages page_table[row, p // page_size],
+    slots p % page_size -- a gather with a mask (p < cached length), so slots the row does
+    not own are never read;
+  - new keys/values: tokens from the row's first new token up to the tile's last token,
+    masked causally (key token <= query token).
+Online-softmax state in registers, f32: running max m [M], denominator l [M],
+unnormalised output acc [M, H]. Masking selects (-inf scores, zero-filled loads), never
+multiplies. Each split writes (acc, m, l); the wrapper merges splits with the usual
+log-sum-exp rescaling and returns acc / l (0 where nothing was seen: padding tokens).
+
+Dots run in the KV dtype accumulating in f32: for 16-bit KV the queries and
+probabilities are rounded to it (tensor cores); for f32 KV full IEEE f32 (no TF32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ksana_jax.pallas_kernels.attention_args import validate_attention_args
+
+TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+MIN_DOT_DIM = 16  # Triton's tl.dot needs M, N, K >= 16
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def kv_layout(
+    *, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int, dtype
+) -> jax.ShapeDtypeStruct:
+    """The KV array this kernel reads: [L, 2, K, num_pages, page_size, H] (kv_cache.py's).
+
+    Any page_size works (keys are gathered slot by slot); head_dim must be a power of two
+    >= 16 (a Triton tensor dimension and a dot operand).
+    """
+    if head_dim < MIN_DOT_DIM or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim} must be a power of two >= {MIN_DOT_DIM} for Triton")
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    return jax.ShapeDtypeStruct(
+        (num_layers, 2, num_kv_heads, num_pages, page_size, head_dim), dtype
+    )
+
+
+# ----------------------------------------------------------------------------- kernel phases
+
+
+def _dot(a, b, dot_dtype, contract_b: int):
+    precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
+    return lax.dot_general(
+        a.astype(dot_dtype),
+        b.astype(dot_dtype),
+        (((1,), (contract_b,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _online_softmax_update(state, q, k, v, visible, *, sm_scale, dot_dtype):
+    """Folds one key block into (acc f32[M, H], m f32[M], l f32[M]).
+
+    q [M, H]; k, v [block_k, H] with masked-out rows already zero; visible bool[M, block_k].
+    """
+    acc, m_prev, l_prev = state
+    scores = jnp.where(visible, _dot(q, k, dot_dtype, 1) * sm_scale, -jnp.inf)
+    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
+    # Rows that have seen nothing keep m = -inf; shift them by 0 so exp gives 0, not NaN.
+    m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    p = jnp.exp(scores - m_shift[:, None])
+    alpha = jnp.exp(m_prev - m_shift)
+    acc = alpha[:, None] * acc + _dot(p, v, dot_dtype, 0)
+    return acc, m_next, alpha * l_prev + jnp.sum(p, axis=1)
+
+
+def _attend_cached_keys(state, q, kv_ref, page_table_ref, where, key_range, update, block_k):
+    """Phase 1: keys [lo, hi) of the row's cached context, gathered block by block from the
+    pages. where = (layer, kv_head, row); masked-off slots are never read."""
+    layer, kv_head, row = where
+    lo, hi = key_range
+    page_size, head_dim = kv_ref.shape[4:]
+    lanes = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+
+    def block(b, state):
+        positions = lo + b * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        valid = positions < hi
+        pages = plgpu.load(
+            page_table_ref.at[row, lax.div(positions, page_size)], mask=valid, other=0
+        )
+        # All-array indices (not a trailing slice): the interpreter's gather needs them.
+        slot = (pages[:, None], lax.rem(positions, page_size)[:, None], lanes)
+        mask = jnp.broadcast_to(valid[:, None], (block_k, head_dim))
+        k = plgpu.load(kv_ref.at[(layer, 0, kv_head, *slot)], mask=mask, other=0.0)
+        v = plgpu.load(kv_ref.at[(layer, 1, kv_head, *slot)], mask=mask, other=0.0)
+        visible = jnp.broadcast_to(valid[None, :], (q.shape[0], block_k))
+        return update(state, q, k, v, visible)
+
+    num_blocks = lax.div(jnp.maximum(hi - lo, 0) + block_k - 1, block_k)
+    return lax.fori_loop(0, num_blocks, block, state)
+
+
+def _attend_new_keys(state, q, k_new_ref, v_new_ref, kv_head, key_range, q_tokens, update, block_k):
+    """Phase 2: the step's new keys [row_start, end) of the row, causal against the query
+    token of each row of q (q_tokens i32[M])."""
+    row_start, end = key_range
+
+    def block(b, state):
+        keys = row_start + b * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        valid = keys < end
+        window = pl.ds(row_start + b * block_k, block_k)
+        k = plgpu.load(k_new_ref.at[window, kv_head], mask=valid[:, None], other=0.0)
+        v = plgpu.load(v_new_ref.at[window, kv_head], mask=valid[:, None], other=0.0)
+        visible = valid[None, :] & (keys[None, :] <= q_tokens[:, None])
+        return update(state, q, k, v, visible)
+
+    num_blocks = lax.div(jnp.maximum(end - row_start, 0) + block_k - 1, block_k)
+    return lax.fori_loop(0, num_blocks, block, state)
+
+
+def _attention_kernel(
+    # inputs (whole arrays in global memory)
+    layer_ref,  # i32[1]
+    page_table_ref,  # i32[S, P]
+    seq_lens_ref,  # i32[S]
+    query_starts_ref,  # i32[S + 1]
+    tile_rows_ref,  # i32[num_tiles]  row of each query tile, -1 past the list
+    tile_starts_ref,  # i32[num_tiles]  first token of each query tile
+    q_ref,  # [T, K, G_pad, H]
+    k_new_ref,  # [T, K, H]
+    v_new_ref,  # [T, K, H]
+    kv_ref,  # [L, 2, K, num_pages, page_size, H]
+    # outputs
+    acc_ref,  # f32[splits, T, K, G_pad, H]
+    m_ref,  # f32[splits, T, K, G_pad]
+    l_ref,  # f32[splits, T, K, G_pad]
+    *,
+    sm_scale: float,
+    block_q: int,
+    block_k: int,
+    keys_per_split: int,
+    dot_dtype,
+):
+    tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    _, _, group_pad, head_dim = q_ref.shape
+    rows_m = block_q * group_pad
+    row = tile_rows_ref[tile]
+    update = functools.partial(_online_softmax_update, sm_scale=sm_scale, dot_dtype=dot_dtype)
+
+    @pl.when(row >= 0)
+    def _():
+        # ---- phase 0: this tile's queries, the token of each query row, empty state.
+        row_start, row_end = query_starts_ref[row], query_starts_ref[row + 1]
+        num_cached = seq_lens_ref[row] - (row_end - row_start)
+        tile_start = tile_starts_ref[tile]
+        tokens = tile_start + jnp.arange(block_q, dtype=jnp.int32)
+        token_ok = tokens < row_end
+        tile_q = q_ref.at[pl.ds(tile_start, block_q), kv_head]
+        q = plgpu.load(tile_q, mask=token_ok[:, None, None], other=0.0).reshape(rows_m, head_dim)
+        q_tokens = jnp.broadcast_to(tokens[:, None], (block_q, group_pad)).reshape(rows_m)
+        state = (
+            jnp.zeros((rows_m, head_dim), jnp.float32),
+            jnp.full((rows_m,), -jnp.inf, jnp.float32),
+            jnp.zeros((rows_m,), jnp.float32),
+        )
+        # ---- phase 1: this split's slice of the cached context.
+        lo = split * keys_per_split
+        hi = jnp.minimum(num_cached, lo + keys_per_split)
+        where = (layer_ref[0], kv_head, row)
+        state = _attend_cached_keys(
+            state, q, kv_ref, page_table_ref, where, (lo, hi), update, block_k
+        )
+        # ---- phase 2 (last split only): new keys up to the tile's last token.
+        is_last_split = split == pl.num_programs(2) - 1
+        end = jnp.where(is_last_split, jnp.minimum(row_end, tile_start + block_q), row_start)
+        acc, m, denom = _attend_new_keys(
+            state, q, k_new_ref, v_new_ref, kv_head, (row_start, end), q_tokens, update, block_k
+        )
+        # ---- phase 3: store this split's partial state for the tile's real tokens.
+        out = (split, pl.ds(tile_start, block_q), kv_head)
+        token_mask = token_ok[:, None]
+        plgpu.store(
+            acc_ref.at[out], acc.reshape(block_q, group_pad, head_dim), mask=token_mask[..., None]
+        )
+        plgpu.store(m_ref.at[out], m.reshape(block_q, group_pad), mask=token_mask)
+        plgpu.store(l_ref.at[out], denom.reshape(block_q, group_pad), mask=token_mask)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts):
+    validate_attention_args(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
+    kv_layout(
+        num_layers=kv.shape[0],
+        num_kv_heads=kv.shape[2],
+        num_pages=kv.shape[3],
+        page_size=kv.shape[4],
+        head_dim=kv.shape[5],
+        dtype=kv.dtype,
+    )
+
+
+def _query_tiles(query_starts, num_tiles: int, block_q: int):
+    """Row and first token of every query tile (rows cut into block_q-token tiles, in order);
+    row -1 for the entries past the last tile."""
+    counts = query_starts[1:] - query_starts[:-1]
+    tiles_per_row = lax.div(counts + block_q - 1, block_q)
+    tile_ends = jnp.cumsum(tiles_per_row)  # [S]
+    ids = jnp.arange(num_tiles, dtype=jnp.int32)
+    rows = jnp.searchsorted(tile_ends, ids, side="right").astype(jnp.int32)
+    safe_rows = jnp.minimum(rows, counts.shape[0] - 1)
+    first_tile = tile_ends[safe_rows] - tiles_per_row[safe_rows]
+    starts = query_starts[safe_rows] + (ids - first_tile) * block_q
+    return jnp.where(ids < tile_ends[-1], safe_rows, -1), starts
+
+
+def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
+    """Tokens per query tile: about the mean row length, with block_q * G_pad in [16, 128]."""
+    group_pad = _next_pow2(group)
+    lo = max(1, MIN_DOT_DIM // group_pad)
+    hi = max(lo, 128 // group_pad)
+    return int(np.clip(_next_pow2(max(1, num_tokens // max(1, num_seqs))), lo, hi))
+
+
+def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_k: int) -> int:
+    """Key splits so that a decode batch fills a large GPU (~256 programs), at most 16."""
+    programs = num_seqs * num_kv_heads
+    splits = max(1, min(16, -(-256 // programs)))
+    return max(1, min(splits, -(-max_context // block_k)))
+
+
+def _merge_splits(acc, m, denom):
+    """Log-sum-exp merge of per-split states: acc [splits, ..., H], m/denom [splits, ...]."""
+    m_max = jnp.max(m, axis=0)
+    m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
+    weight = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - m_max))
+    l_total = jnp.sum(weight * denom, axis=0)
+    acc_total = jnp.sum(weight[..., None] * acc, axis=0)
+    return jnp.where(
+        l_total[..., None] > 0, acc_total / jnp.where(l_total > 0, l_total, 1.0)[..., None], 0.0
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "block_q",
+        "block_k",
+        "num_kv_splits",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
+)
+def ragged_paged_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    kv: jax.Array,
+    layer_index: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_starts: jax.Array,
+    *,
+    sm_scale: float,
+    block_q: int | None = None,
+    block_k: int = 64,
+    num_kv_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal GQA of a ragged batch over cached pages and new tokens (Pallas GPU kernel).
+
+    Args: as `reference.ragged_paged_attention` (q [T, N, H], k_new/v_new [T, K, H],
+      kv [L, 2, K, num_pages, page_size, H], layer_index i32[], page_table i32[S, P],
+      seq_lens i32[S], query_starts i32[S+1], sm_scale), plus tuning:
+      block_q: tokens per query tile, a power of two (default: `default_block_q`).
+      block_k: keys per block, a power of two >= 16.
+      num_kv_splits: slices of the cached context run in parallel (default:
+        `default_num_kv_splits`).
+      num_warps, num_stages: Triton launch parameters.
+      interpret: run on CPU with Pallas's interpreter.
+    Returns: f32[T, N, H]; zeros for padding tokens.
+    """
+    layer_index = jnp.asarray(layer_index)
+    _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = kv.shape[2], kv.shape[4]
+    num_seqs, max_pages = page_table.shape
+    group = num_heads // num_kv_heads
+    group_pad = _next_pow2(group)
+    if block_q is None:
+        block_q = default_block_q(num_tokens, num_seqs, group)
+    if block_q & (block_q - 1) or block_q * group_pad < MIN_DOT_DIM:
+        raise ValueError(
+            f"block_q={block_q} must be a power of two with block_q * G_pad >= {MIN_DOT_DIM} "
+            f"(G_pad={group_pad})"
+        )
+    if block_k < MIN_DOT_DIM or block_k & (block_k - 1):
+        raise ValueError(f"block_k={block_k} must be a power of two >= {MIN_DOT_DIM}")
+    max_context = max_pages * page_size
+    if num_kv_splits is None:
+        num_kv_splits = default_num_kv_splits(num_seqs, num_kv_heads, max_context, block_k)
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
+    keys_per_split = -(-max_context // num_kv_splits)
+    keys_per_split = -(-keys_per_split // block_k) * block_k
+
+    dot_dtype = jnp.float32 if kv.dtype == jnp.float32 else kv.dtype
+    q_groups = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(dot_dtype)
+    q_groups = jnp.pad(q_groups, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
+    num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs
+    tile_rows, tile_starts = _query_tiles(query_starts, num_tiles, block_q)
+
+    state_shape = (num_kv_splits, num_tokens, num_kv_heads, group_pad)
+    acc, m, denom = pl.pallas_call(
+        functools.partial(
+            _attention_kernel,
+            sm_scale=sm_scale,
+            block_q=block_q,
+            block_k=block_k,
+            keys_per_split=keys_per_split,
+            dot_dtype=dot_dtype,
+        ),
+        out_shape=(
+            jax.ShapeDtypeStruct((*state_shape, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(state_shape, jnp.float32),
+            jax.ShapeDtypeStruct(state_shape, jnp.float32),
+        ),
+        grid=(num_tiles, num_kv_heads, num_kv_splits),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(
+        layer_index.reshape(1),
+        page_table,
+        seq_lens,
+        query_starts,
+        tile_rows,
+        tile_starts,
+        q_groups,
+        k_new,
+        v_new,
+        kv,
+    )
+    out = _merge_splits(acc, m, denom)[:, :, :group]  # [T, K, G, H]
+    # Tokens no tile covers (padding) were never written: select zeros for them.
+    real = jnp.arange(num_tokens) < query_starts[num_seqs]
+    return jnp.where(real[:, None, None], out.reshape(num_tokens, num_heads, head_dim), 0.0)

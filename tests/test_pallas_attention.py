@@ -1,0 +1,349 @@
+"""Every Pallas attention kernel, in interpret mode on CPU, equals the jnp oracle.
+
+(The oracle itself is checked on cases worked out by hand in test_reference_attention.py.)
+
+One bucket shape for every case -- T=64 tokens, S=6 rows, P=8 pages of 16 -- so each
+(kernel, heads, head dim, dtype) compiles once and the scenarios reuse it. Every KV slot
+the batch does not own holds NaN: the other layer, unowned pages, the sink page that
+padding rows point at, and the slots of the step's own new tokens (they are passed as
+k_new/v_new, not read from the pages). Page tables are shuffled, and their unused
+entries point at random pages.
+
+Matrix (88 kernel-vs-oracle comparisons): 7 scenarios (decode rows at context 1,
+page_size - 1, page_size, page_size + 1 and several pages; fresh prefills; chunks starting
+mid-page, on a page boundary and crossing pages; mixed batches; a chunk filling the
+bucket; no padding at all; all padding) x GQA ratios 1, 3, 4, 8 with head dims 64 and 128
+x both kernels in f32 (max abs diff <= 1e-5: 56); bf16 KV on 4 scenarios x 2 head configs
+x 2 kernels (16); other tuning -- key splits, block sizes, pages per block -- (10);
+TPU-semantics interpretation (`pltpu.InterpretParams`: NaN-filled uninitialised VMEM,
+out-of-bounds reads raise, DMAs land only when waited on, race detector on) (4); and
+both kernels inside a lax.scan over layers (2).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from ksana_jax import pallas_kernels
+from ksana_jax.pallas_kernels import paged_attention_gpu, ragged_paged_attention_tpu, reference
+
+PAGE_SIZE = 16
+NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ = 64, 6, 8  # T, S, P: one bucket for every case
+NUM_PAGES = 1 + NUM_SEQS * PAGES_PER_SEQ  # page 0 is the sink
+NUM_LAYERS, LAYER = 2, 1  # layer 0 is all NaN
+
+# Rows as (cached tokens, new tokens); rows missing up to S are padding rows.
+SCENARIOS = {
+    # context lengths 1, ps - 1, ps, ps + 1, several pages, long
+    "decode": [(0, 1), (14, 1), (15, 1), (16, 1), (52, 1), (100, 1)],
+    "prefill_fresh": [(0, 15), (0, 16), (0, 17), (0, 1)],
+    # chunks starting mid-page, on a page boundary, and crossing two pages
+    "prefill_chunks": [(5, 20), (16, 9), (31, 24)],
+    "mixed": [(52, 1), (7, 30), (0, 1), (100, 1), (17, 15)],
+    "long_chunk": [(3, 61)],
+    "no_padding": [(10, 10), (0, 10), (30, 10), (1, 10), (15, 10), (16, 14)],
+    "all_padding": [],
+}
+
+# (KV heads, query heads per KV head, head dim): GQA ratios 1, 3, 4, 8; head dims 64, 128.
+F32_HEADS = [(2, 1, 128), (2, 3, 64), (2, 4, 64), (1, 8, 128)]
+BF16_HEADS = [(2, 3, 64), (1, 8, 128)]
+BF16_ATOL = 2e-2  # q, new keys and probabilities rounded to bf16 inside the kernels
+
+# Tuning for the main matrix: TPU with 3-page blocks (P=8 is not a multiple, rows span
+# several blocks, prefetch crosses rows); GPU with its defaults (2 key splits here).
+BACKENDS = {
+    "pallas_tpu": functools.partial(
+        ragged_paged_attention_tpu.ragged_paged_attention, pages_per_block=3, interpret=True
+    ),
+    "pallas_gpu": functools.partial(paged_attention_gpu.ragged_paged_attention, interpret=True),
+}
+
+
+def make_batch(rows, *, num_kv_heads, group, head_dim, dtype=jnp.float32, seed=0):
+    """Arguments of the attention signature for `rows` [(cached, new)], KV NaN where unowned."""
+    assert len(rows) <= NUM_SEQS and sum(n for _, n in rows) <= NUM_TOKENS
+    rng = np.random.default_rng(seed)
+    kv = np.full((NUM_LAYERS, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), np.nan, np.float32)
+    page_table = rng.integers(0, NUM_PAGES, (NUM_SEQS, PAGES_PER_SEQ)).astype(np.int32)
+    page_table[len(rows) :] = 0  # padding rows point at the sink
+    seq_lens = np.zeros(NUM_SEQS, np.int32)
+    query_starts = np.zeros(NUM_SEQS + 1, np.int32)
+    free_pages = iter(rng.permutation(np.arange(1, NUM_PAGES)))
+    offset = 0
+    for s, (num_cached, num_new) in enumerate(rows):
+        num_pages = -(-(num_cached + num_new) // PAGE_SIZE)
+        page_table[s, :num_pages] = [next(free_pages) for _ in range(num_pages)]
+        for pos in range(num_cached):
+            page = page_table[s, pos // PAGE_SIZE]
+            kv[LAYER, :, :, page, pos % PAGE_SIZE] = rng.standard_normal(
+                (2, num_kv_heads, head_dim)
+            )
+        seq_lens[s] = num_cached + num_new
+        query_starts[s] = offset
+        offset += num_new
+    query_starts[len(rows) :] = offset
+    num_heads = num_kv_heads * group
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    return (
+        jnp.asarray(normal(NUM_TOKENS, num_heads, head_dim)),
+        jnp.asarray(normal(NUM_TOKENS, num_kv_heads, head_dim), dtype),
+        jnp.asarray(normal(NUM_TOKENS, num_kv_heads, head_dim), dtype),
+        jnp.asarray(kv, dtype),
+        jnp.int32(LAYER),
+        jnp.asarray(page_table),
+        jnp.asarray(seq_lens),
+        jnp.asarray(query_starts),
+    )
+
+
+def check_against_oracle(attention, args, atol):
+    head_dim = args[0].shape[-1]
+    want = np.asarray(reference.ragged_paged_attention(*args, sm_scale=head_dim**-0.5))
+    got = np.asarray(attention(*args, sm_scale=head_dim**-0.5))
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+    num_real = int(args[-1][-1])
+    assert np.all(got[num_real:] == 0.0), "padding tokens must give exact zeros"
+    return got
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", F32_HEADS)
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_kernel_matches_oracle_f32(backend, num_kv_heads, group, head_dim):
+    for seed, (name, rows) in enumerate(SCENARIOS.items()):
+        args = make_batch(
+            rows, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, seed=seed
+        )
+        try:
+            check_against_oracle(BACKENDS[backend], args, atol=1e-5)
+        except AssertionError as e:
+            raise AssertionError(f"scenario {name!r}: {e}") from None
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", BF16_HEADS)
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_kernel_matches_oracle_bf16_kv(backend, num_kv_heads, group, head_dim):
+    for seed, name in enumerate(["decode", "prefill_chunks", "mixed", "no_padding"]):
+        args = make_batch(
+            SCENARIOS[name],
+            num_kv_heads=num_kv_heads,
+            group=group,
+            head_dim=head_dim,
+            dtype=jnp.bfloat16,
+            seed=seed,
+        )
+        try:
+            check_against_oracle(BACKENDS[backend], args, atol=BF16_ATOL)
+        except AssertionError as e:
+            raise AssertionError(f"scenario {name!r}: {e}") from None
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        functools.partial(
+            ragged_paged_attention_tpu.ragged_paged_attention,
+            block_q=32,
+            pages_per_block=1,
+            interpret=True,
+        ),
+        functools.partial(ragged_paged_attention_tpu.ragged_paged_attention, interpret=True),
+        functools.partial(
+            ragged_paged_attention_tpu.ragged_paged_attention,
+            block_q=8,
+            pages_per_block=8,
+            interpret=True,
+        ),
+        functools.partial(
+            paged_attention_gpu.ragged_paged_attention,
+            block_q=8,
+            block_k=16,
+            num_kv_splits=3,
+            interpret=True,
+        ),
+        functools.partial(
+            paged_attention_gpu.ragged_paged_attention, num_kv_splits=1, interpret=True
+        ),
+    ],
+    ids=["tpu_q32_1page", "tpu_defaults", "tpu_q8_8pages", "gpu_q8_k16_3splits", "gpu_1split"],
+)
+def test_other_tuning_matches_oracle(attention):
+    for seed, name in enumerate(["mixed", "prefill_chunks"]):
+        args = make_batch(SCENARIOS[name], num_kv_heads=2, group=3, head_dim=64, seed=seed)
+        check_against_oracle(attention, args, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_tpu_kernel_under_tpu_interpret_semantics(dtype, capsys):
+    """pltpu.InterpretParams: uninitialised VMEM is NaN, out-of-bounds reads raise, a DMA's
+    data lands only when it is waited on, and the race detector watches every DMA against
+    the compute reading the other buffer -- closer to the hardware than interpret=True."""
+    attention = functools.partial(
+        ragged_paged_attention_tpu.ragged_paged_attention,
+        pages_per_block=3,
+        interpret=pltpu.InterpretParams(detect_races=True),
+    )
+    atol = 1e-5 if dtype == jnp.float32 else BF16_ATOL
+    for seed, name in enumerate(["mixed", "prefill_chunks"]):
+        args = make_batch(
+            SCENARIOS[name], num_kv_heads=2, group=3, head_dim=64, dtype=dtype, seed=seed
+        )
+        check_against_oracle(attention, args, atol=atol)
+    assert "RACE DETECTED" not in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- on device
+
+DEVICE_KERNELS = {
+    "tpu": ragged_paged_attention_tpu.ragged_paged_attention,
+    "gpu": paged_attention_gpu.ragged_paged_attention,
+}
+
+
+@pytest.mark.tpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_compiled_kernel_matches_oracle_on_device(dtype):
+    """The compiled kernel (not the interpreter) on the TPU or GPU this runs on."""
+    platform = jax.default_backend()
+    if platform not in DEVICE_KERNELS:
+        pytest.skip(f"needs a TPU or GPU, running on {platform}")
+    atol = 1e-5 if dtype == jnp.float32 else BF16_ATOL
+    with jax.default_matmul_precision("highest"):  # the oracle's f32 dots, not TF32/bf16
+        for num_kv_heads, group, head_dim in F32_HEADS:
+            for seed, (name, rows) in enumerate(SCENARIOS.items()):
+                args = make_batch(
+                    rows,
+                    num_kv_heads=num_kv_heads,
+                    group=group,
+                    head_dim=head_dim,
+                    dtype=dtype,
+                    seed=seed,
+                )
+                try:
+                    check_against_oracle(DEVICE_KERNELS[platform], args, atol=atol)
+                except AssertionError as e:
+                    raise AssertionError(f"{name}, heads {(num_kv_heads, group)}: {e}") from None
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "attention", [BACKENDS["pallas_tpu"], BACKENDS["pallas_gpu"]], ids=["tpu", "gpu"]
+)
+def test_bad_inputs_raise_clear_errors(attention):
+    args = list(make_batch([(3, 2)], num_kv_heads=2, group=3, head_dim=64))
+    with pytest.raises(ValueError, match="k_new"):
+        attention(args[0], args[1][:, :1], *args[2:], sm_scale=1.0)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        attention(args[0][:, :5], *args[1:], sm_scale=1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        attention(*args[:6], args[6][:-1], args[7], sm_scale=1.0)
+    with pytest.raises(ValueError, match="page_table must be int32"):
+        attention(*args[:5], args[5].astype(jnp.int16), *args[6:], sm_scale=1.0)
+
+
+def test_tpu_rejects_page_size_off_the_mosaic_tiling():
+    with pytest.raises(ValueError, match="page_size=12 must be a multiple of 16"):
+        ragged_paged_attention_tpu.kv_layout(
+            num_layers=1, num_kv_heads=1, num_pages=4, page_size=12, head_dim=64, dtype=jnp.bfloat16
+        )
+    args = list(make_batch([(3, 2)], num_kv_heads=2, group=3, head_dim=64))
+    with pytest.raises(ValueError, match="block_q=12"):
+        ragged_paged_attention_tpu.ragged_paged_attention(*args, sm_scale=1.0, block_q=12)
+
+
+def test_gpu_rejects_head_dim_that_is_not_a_power_of_two():
+    with pytest.raises(ValueError, match="head_dim=80"):
+        paged_attention_gpu.kv_layout(
+            num_layers=1, num_kv_heads=1, num_pages=4, page_size=16, head_dim=80, dtype=jnp.float32
+        )
+
+
+def test_layouts_match_kv_cache_layout():
+    from ksana_jax.kv_cache import KVCacheSpec
+
+    spec = KVCacheSpec(
+        num_layers=30, num_kv_heads=3, num_pages=9, page_size=16, head_dim=64, dtype="bfloat16"
+    )
+    for module in (ragged_paged_attention_tpu, paged_attention_gpu):
+        layout = module.kv_layout(
+            num_layers=30,
+            num_kv_heads=3,
+            num_pages=9,
+            page_size=16,
+            head_dim=64,
+            dtype=jnp.bfloat16,
+        )
+        assert layout.shape == spec.shape and layout.dtype == jnp.bfloat16
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def test_resolve_backend():
+    assert pallas_kernels.resolve_backend("auto", "tpu") == "pallas_tpu"
+    assert pallas_kernels.resolve_backend("auto", "gpu") == "pallas_gpu"
+    assert pallas_kernels.resolve_backend("auto", "cuda") == "pallas_gpu"
+    assert pallas_kernels.resolve_backend("auto", "cpu") == "reference"
+    assert pallas_kernels.resolve_backend("pallas_gpu", "cpu") == "pallas_gpu"
+    with pytest.raises(ValueError, match="not one of"):
+        pallas_kernels.resolve_backend("flash", "cpu")
+    with pytest.raises(ValueError, match="no attention backend for platform"):
+        pallas_kernels.resolve_backend("auto", "metal")
+
+
+def test_get_attention_and_writer():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pallas_kernels.get_attention("reference") is reference.ragged_paged_attention
+        assert pallas_kernels.get_kv_writer("reference") is reference.write_kv_pages
+        assert pallas_kernels.get_layer_kv_writer("reference") is reference.write_layer_kv
+    for backend, module in (
+        ("pallas_tpu", ragged_paged_attention_tpu),
+        ("pallas_gpu", paged_attention_gpu),
+    ):
+        with pytest.warns(UserWarning, match="interpret mode"):
+            attention = pallas_kernels.get_attention(backend, interpret=True)
+        assert attention.func is module.ragged_paged_attention
+        assert attention.keywords == {"interpret": True}
+        with pytest.warns(UserWarning, match="interpret mode"):
+            writer = pallas_kernels.get_kv_writer(backend, interpret=True)
+        assert writer.keywords == {"interpret": True}
+        with pytest.warns(UserWarning, match="interpret mode"):
+            layer_writer = pallas_kernels.get_layer_kv_writer(backend, interpret=True)
+        assert layer_writer.func.__name__ == "write_layer_kv"
+    with pytest.raises(ValueError, match="resolve_backend"):
+        pallas_kernels.get_attention("auto")
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_registry_attention_runs_inside_a_layer_scan(backend):
+    """The engine calls attention inside lax.scan with a traced layer index."""
+    args = make_batch(SCENARIOS["mixed"], num_kv_heads=2, group=3, head_dim=64)
+    q, k_new, v_new, kv, _, page_table, seq_lens, query_starts = args
+    with pytest.warns(UserWarning):
+        attention = pallas_kernels.get_attention(backend, interpret=True)
+
+    def body(layer_index, _):
+        out = attention(
+            q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts, sm_scale=64**-0.5
+        )
+        return layer_index + 1, out
+
+    _, outs = jax.lax.scan(body, jnp.int32(0), length=NUM_LAYERS)
+    want = reference.ragged_paged_attention(*args, sm_scale=64**-0.5)
+    np.testing.assert_allclose(np.asarray(outs[LAYER]), np.asarray(want), rtol=0, atol=1e-5)

@@ -1,0 +1,134 @@
+"""Lowering checks without the hardware: `jax.export` lowers each Pallas kernel for TPU
+(Pallas -> Mosaic, with Mosaic's block-shape rules) and for CUDA (Pallas -> Triton IR, with
+its power-of-two shape rules) on this CPU-only machine, at the real model shapes.
+
+What this does not check: Mosaic's and Triton's own compilers run only on the device
+(vector layouts, register allocation), so a kernel that lowers here can still fail there.
+
+The Triton lowering's custom call (`__gpu$xla.gpu.triton`) has no serialization
+compatibility guarantee, so `jax.export` refuses it unless the caller opts in with
+`disabled_checks`; the documented refusal is asserted too.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ksana_jax.pallas_kernels import (
+    paged_attention_gpu,
+    ragged_paged_attention_tpu,
+    write_kv_pages_gpu,
+    write_kv_pages_tpu,
+)
+
+# (name, layers, query heads, KV heads, head dim): SmolLM2-135M and a Llama-3-8B-like model.
+MODELS = [("smollm2", 30, 9, 3, 64), ("llama3_8b", 32, 32, 8, 128)]
+PAGE_SIZE, NUM_PAGES = 16, 512
+NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ = 128, 16, 64  # a mixed bucket, contexts up to 1024
+TRITON = [jax.export.DisabledSafetyCheck.custom_call(paged_attention_gpu.TRITON_CUSTOM_CALL)]
+
+
+def attention_args(num_layers, num_heads, num_kv_heads, head_dim, dtype):
+    sds = jax.ShapeDtypeStruct
+    return (
+        sds((NUM_TOKENS, num_heads, head_dim), jnp.float32),
+        sds((NUM_TOKENS, num_kv_heads, head_dim), dtype),
+        sds((NUM_TOKENS, num_kv_heads, head_dim), dtype),
+        sds((num_layers, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), dtype),
+        sds((), jnp.int32),
+        sds((NUM_SEQS, PAGES_PER_SEQ), jnp.int32),
+        sds((NUM_SEQS,), jnp.int32),
+        sds((NUM_SEQS + 1,), jnp.int32),
+    )
+
+
+def write_args(num_layers, num_kv_heads, head_dim, dtype):
+    sds = jax.ShapeDtypeStruct
+    return (
+        sds((num_layers, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), dtype),
+        sds((num_layers, 2, NUM_TOKENS, num_kv_heads, head_dim), dtype),
+        sds((NUM_TOKENS,), jnp.int32),
+    )
+
+
+PARAMS = [
+    pytest.param(*model, dtype, id=f"{model[0]}-{jnp.dtype(dtype).name}")
+    for model in MODELS
+    for dtype in (jnp.bfloat16, jnp.float32)
+]
+
+
+@pytest.mark.parametrize("name,num_layers,num_heads,num_kv_heads,head_dim,dtype", PARAMS)
+def test_tpu_attention_lowers_to_mosaic(name, num_layers, num_heads, num_kv_heads, head_dim, dtype):
+    attention = functools.partial(
+        ragged_paged_attention_tpu.ragged_paged_attention, sm_scale=head_dim**-0.5
+    )
+    args = attention_args(num_layers, num_heads, num_kv_heads, head_dim, dtype)
+    exported = jax.export.export(jax.jit(attention), platforms=["tpu"])(*args)
+    assert "tpu_custom_call" in exported.mlir_module()
+    assert exported.out_avals[0].shape == (NUM_TOKENS, num_heads, head_dim)
+
+
+@pytest.mark.parametrize("name,num_layers,num_heads,num_kv_heads,head_dim,dtype", PARAMS)
+def test_gpu_attention_lowers_to_triton(name, num_layers, num_heads, num_kv_heads, head_dim, dtype):
+    attention = functools.partial(
+        paged_attention_gpu.ragged_paged_attention, sm_scale=head_dim**-0.5
+    )
+    args = attention_args(num_layers, num_heads, num_kv_heads, head_dim, dtype)
+    exported = jax.export.export(jax.jit(attention), platforms=["cuda"], disabled_checks=TRITON)(
+        *args
+    )
+    assert paged_attention_gpu.TRITON_CUSTOM_CALL in exported.mlir_module()
+    assert exported.out_avals[0].shape == (NUM_TOKENS, num_heads, head_dim)
+
+
+def test_triton_export_needs_the_documented_opt_in():
+    attention = functools.partial(paged_attention_gpu.ragged_paged_attention, sm_scale=0.125)
+    args = attention_args(30, 9, 3, 64, jnp.bfloat16)
+    with pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
+        jax.export.export(jax.jit(attention), platforms=["cuda"])(*args)
+
+
+@pytest.mark.parametrize("name,num_layers,num_heads,num_kv_heads,head_dim,dtype", PARAMS[::2])
+@pytest.mark.parametrize(
+    "writer,platform",
+    [(write_kv_pages_tpu.write_kv_pages, "tpu"), (write_kv_pages_gpu.write_kv_pages, "cuda")],
+    ids=["tpu", "cuda"],
+)
+def test_kv_write_lowers_with_the_kv_aliased(
+    writer, platform, name, num_layers, num_heads, num_kv_heads, head_dim, dtype
+):
+    args = write_args(num_layers, num_kv_heads, head_dim, dtype)
+    exported = jax.export.export(
+        jax.jit(writer, donate_argnums=0), platforms=[platform], disabled_checks=TRITON
+    )(*args)
+    module = exported.mlir_module()
+    # The kernel's output is its KV operand, and the jitted function's output is its
+    # donated KV argument: no KV-sized copy.
+    assert re.search(r"output_operand_aliases = \[#stablehlo.output_operand_alias", module)
+    assert "tf.aliasing_output = 0" in module
+
+
+@pytest.mark.parametrize(
+    "writer,platform",
+    [(write_kv_pages_tpu.write_layer_kv, "tpu"), (write_kv_pages_gpu.write_layer_kv, "cuda")],
+    ids=["tpu", "cuda"],
+)
+def test_layer_kv_write_lowers_with_the_kv_aliased(writer, platform):
+    """The one-layer write the model does before each layer's attention (SmolLM2, bf16)."""
+    sds = jax.ShapeDtypeStruct
+    kv = sds((30, 2, 3, NUM_PAGES, PAGE_SIZE, 64), jnp.bfloat16)
+    k_new = sds((NUM_TOKENS, 3, 64), jnp.bfloat16)
+    slots = sds((NUM_TOKENS,), jnp.int32)
+    layer = sds((), jnp.int32)
+    exported = jax.export.export(
+        jax.jit(writer, donate_argnums=0), platforms=[platform], disabled_checks=TRITON
+    )(kv, layer, k_new, k_new, slots)
+    module = exported.mlir_module()
+    assert re.search(r"output_operand_aliases = \[#stablehlo.output_operand_alias", module)
+    assert "tf.aliasing_output = 0" in module
