@@ -121,9 +121,9 @@ class ModelRunner:
         cfg = self.config
         num_tokens = _bucket(cfg.token_buckets, sum(c.num_tokens for c in chunks), "tokens")
         num_seqs = _bucket(cfg.seq_buckets, len(chunks), "sequences")
-        context = _bucket(
-            cfg.context_buckets, max(c.start + c.num_tokens for c in chunks), "context tokens"
-        )
+        # Attention reads only cached tokens from the pages, so the context bucket covers
+        # the longest cached prefix; a fresh prompt's prefill gathers almost nothing.
+        context = _bucket(cfg.context_buckets, max(c.start for c in chunks), "cached tokens")
         inputs = build_step_inputs(
             [SequenceChunk(c.token_ids, c.start, c.request.page_ids) for c in chunks],
             cfg.page_size,

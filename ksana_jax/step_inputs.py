@@ -30,7 +30,8 @@ class StepInputs:
     token_ids: jax.Array  # i32[T]     new tokens, padded with 0
     positions: jax.Array  # i32[T]     position of each token in its sequence (padding: 0)
     slot_ids: jax.Array  # i32[T]     page * page_size + offset its K/V goes to (padding: sink)
-    page_table: jax.Array  # i32[S, P]  pages of each sequence in order (padding: sink)
+    page_table: jax.Array  # i32[S, P]  first P pages of each sequence, covering at least its
+    #                                  cached tokens (padding: sink)
     seq_lens: jax.Array  # i32[S]     cached + new tokens after this step (padding rows: 0)
     query_starts: jax.Array  # i32[S+1]   offsets of each row's new tokens in token_ids
 
@@ -68,17 +69,25 @@ def build_step_inputs(
     for s, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
         end_pos = chunk.start_pos + n
-        if -(-end_pos // page_size) > min(len(chunk.page_ids), pages_per_seq):
+        if -(-end_pos // page_size) > len(chunk.page_ids):
             raise ValueError(
                 f"sequence {s} needs {-(-end_pos // page_size)} pages for {end_pos} tokens, "
-                f"has {len(chunk.page_ids)} (bucket P={pages_per_seq})"
+                f"has {len(chunk.page_ids)}"
+            )
+        # The page table only has to cover cached tokens: new ones are written via slot_ids
+        # and attended to directly (see pallas_kernels/reference.py).
+        if -(-chunk.start_pos // page_size) > pages_per_seq:
+            raise ValueError(
+                f"sequence {s} has {chunk.start_pos} cached tokens, more than the bucket's "
+                f"{pages_per_seq} pages of {page_size} hold"
             )
         pos = np.arange(chunk.start_pos, end_pos, dtype=np.int32)
         pages = np.asarray(chunk.page_ids, np.int32)
         token_ids[offset : offset + n] = chunk.token_ids
         positions[offset : offset + n] = pos
         slot_ids[offset : offset + n] = pages[pos // page_size] * page_size + pos % page_size
-        page_table[s, : len(pages)] = pages[:pages_per_seq]
+        table = pages[:pages_per_seq]
+        page_table[s, : len(table)] = table
         seq_lens[s] = end_pos
         query_starts[s] = offset
         offset += n
