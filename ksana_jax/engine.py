@@ -94,6 +94,11 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         room = self.config.max_model_len - len(token_ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) must be shorter than "
+                f"max_model_len ({self.config.max_model_len})"
+            )
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room:
             raise ValueError(

@@ -1,8 +1,10 @@
-"""The jitted forward step: one ragged batch in, logits of chosen tokens and the KV out.
+"""The jitted forward step without sampling: a ragged batch in, logits of chosen tokens and
+the KV out. `Model.logits` and single-request `generate` use it; the engine's step (forward
+plus on-device sampling) is `runner.engine_step`.
 
-This is the single jit boundary of the model path. `cfg` is static (hashable config); the KV
-array is donated, so XLA writes the new K/V in place and the compiled step holds no second
-KV-sized buffer. Shapes come only from the inputs' bucket sizes.
+`cfg` is static (hashable config); the KV array is donated, so XLA writes the new K/V in
+place and the compiled step holds no second KV-sized buffer. Shapes come only from the
+inputs' sizes.
 """
 
 from __future__ import annotations

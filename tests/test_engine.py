@@ -240,6 +240,7 @@ def test_bad_requests_are_value_errors_and_leave_nothing(tiny_model):
         ([TINY_VOCAB + 5], SamplingParams(), "outside the vocabulary"),
         (PROMPTS[4], SamplingParams(max_tokens=250), "max_model_len"),
         (PROMPTS[0], SamplingParams(logprobs=50), "max_logprobs"),
+        ([5] * 256, SamplingParams(max_tokens=None), "shorter than max_model_len"),
     ]
     for prompt, params, message in cases:
         with pytest.raises(ValueError, match=message):
