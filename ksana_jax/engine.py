@@ -172,14 +172,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
