@@ -5,18 +5,22 @@ abort), runs `engine.step()` while there is work, and hands each RequestOutput t
 asyncio queue of its request on that request's event loop. `add_request` validates and
 tokenizes in the caller (so bad input raises right there, before anything is queued) and
 returns an async iterator of outputs; leaving the iterator early (e.g. a client
-disconnect) aborts the request, which frees its pages.
+disconnect) aborts the request, which frees its pages. With `warm_up=True` the thread
+compiles every step bucket before taking requests and sets `ready` when done (the server's
+health check waits for it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from ksana_jax.engine import LLMEngine
 from ksana_jax.outputs import RequestOutput
+from ksana_jax.runner import compile_count
 from ksana_jax.sampling_params import SamplingParams
 
 
@@ -24,9 +28,30 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an unexpected error; no request can proceed."""
 
 
+class RequestFailedError(RuntimeError):
+    """Processing one request raised; that request ended, the engine goes on."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine numbers for metrics, read without stopping the engine thread."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    compilations: int
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, warm_up: bool = False):
         self.engine = engine
+        self.ready = threading.Event()
+        self._warm_up = warm_up
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
@@ -74,6 +99,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped: {item!r}") from item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
         finally:
             if not finished:
@@ -84,6 +111,25 @@ class AsyncEngine:
         with self._lock:
             self._streams.pop(request_id, None)
         self._commands.put(lambda: self.engine.abort_request(request_id))
+
+    @property
+    def is_dead(self) -> bool:
+        return self.error is not None or not self._thread.is_alive()
+
+    def snapshot(self) -> EngineSnapshot:
+        engine = self.engine
+        stats = engine.stats
+        return EngineSnapshot(
+            running=len(engine.scheduler.running),
+            waiting=len(engine.scheduler.waiting),
+            kv_cache_usage=engine.kv_cache_usage,
+            prompt_tokens=stats.prompt_tokens,
+            generation_tokens=stats.generation_tokens,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            preemptions=stats.preemptions,
+            compilations=compile_count(),
+        )
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -101,6 +147,9 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            if self._warm_up:
+                self.engine.warm_up(progress=False)
+            self.ready.set()
             while not self._stopped.is_set():
                 # Block for a command only when there is nothing to compute.
                 block = not self.engine.has_unfinished_requests()
@@ -115,6 +164,7 @@ class AsyncEngine:
                     self._deliver(output, output.request_id)
         except BaseException as e:  # surface to every waiting client, never hang them
             self.error = e
+            self.ready.set()  # waiters see is_dead instead of hanging
             with self._lock:
                 pending = list(self._streams)
             for request_id in pending:

@@ -1,4 +1,7 @@
-"""The `ksana-jax` command line: `convert` and `generate` (the server adds `serve`).
+"""The `ksana-jax` command line: `convert`, `generate` and `serve`.
+
+`serve` takes every EngineConfig field as a flag (`--max-num-seqs 16`, `--token-buckets
+16,64,256`), derived from the dataclass so the two cannot drift apart.
 
 User errors (bad paths, bad files, unsupported models) print one `ksana-jax COMMAND: error:`
 line on stderr and exit with status 2 (bad flags too, after argparse's usage line);
@@ -8,10 +11,16 @@ tracebacks are for bugs only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
+import types
+import typing
 from collections.abc import Sequence
+from typing import Any
+
+from ksana_jax.config import EngineConfig
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -116,6 +125,102 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_tuple(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field: `--field-name`, typed and defaulted from the field."""
+    group = parser.add_argument_group("engine (EngineConfig fields)")
+    hints = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        hint = hints[field.name]
+        options: dict[str, Any] = {"default": field.default, "dest": field.name}
+        args = typing.get_args(hint)
+        optional = isinstance(hint, types.UnionType) and type(None) in args
+        base = next(a for a in args if a is not type(None)) if optional else hint
+        if base is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(base) is tuple:
+            options["type"] = _int_tuple
+            options["metavar"] = "N,N,..."
+        else:
+            options["type"] = base
+        shown = ",".join(map(str, field.default)) if isinstance(field.default, tuple) else None
+        default = "derived" if shown == "" else (shown or field.default)
+        help_text = field.metadata.get("help", "")
+        options["help"] = f"{help_text} (default: {default})".strip()
+        group.add_argument("--" + field.name.replace("_", "-"), **options)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API (completions, chat, metrics)",
+        description="Load MODEL and serve /v1/completions, /v1/chat/completions, /v1/models, "
+        "/health (200 once every step shape is compiled), /metrics (Prometheus) and /schema "
+        "(OpenAPI). Engine flags are the EngineConfig fields.",
+    )
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        nargs="?",
+        default="demo",
+        help="checkpoint directory, HF directory, .gguf file, or `demo` (default: the "
+        "bundled SmolLM2-135M-Instruct, converted once into the user cache)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1 routes (default: $KSANA_API_KEY, "
+        "else no key)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send and /v1/models lists (default: from MODEL)",
+    )
+    p.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=1024,
+        help="requests queued or running before new ones get 503 (default 1024)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn log level (default info)",
+    )
+    add_engine_flags(p)
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from server.serve import serve  # the server sits above the engine; imported on demand
+
+    serve(
+        args.model,
+        engine_config_from_args(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_pending_requests=args.max_pending_requests,
+        log_level=args.log_level,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ksana-jax", description="LLM inference and serving on JAX/XLA."
@@ -123,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_convert(sub)
     _add_generate(sub)
+    _add_serve(sub)
     return parser
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import random
 from collections.abc import Sequence
 
@@ -29,6 +30,8 @@ from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.scheduler import ScheduledChunk, Scheduler
 from ksana_jax.tokenizer import IncrementalDetokenizer
 
+log = logging.getLogger("ksana_jax.engine")
+
 
 @dataclasses.dataclass
 class _Group:
@@ -38,6 +41,7 @@ class _Group:
     prompt: str | None
     samples: list[Request]
     detokenizers: list[IncrementalDetokenizer]
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -46,6 +50,8 @@ class EngineStats:
     generation_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 class LLMEngine:
@@ -172,6 +178,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of usable KV pages held by requests."""
+        return 1.0 - self.pages.num_free / self.pages.num_usable
+
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
@@ -196,8 +207,17 @@ class LLMEngine:
                 self.stats.prompt_tokens += len(request.prompt_token_ids)
             self.stats.generation_tokens += 1
             group = self._groups[request.parent_id]
-            self._append_token(request, group.detokenizers[request.index], sampled, row)
             advanced[group.request_id] = group
+            if group.error is not None:
+                continue
+            try:
+                self._append_token(request, group.detokenizers[request.index], sampled, row)
+            except Exception as e:  # a bug met by one request must not stop the others
+                log.exception("request %s failed", group.request_id)
+                group.error = f"{type(e).__name__}: {e}"
+                for sample in group.samples:
+                    if not sample.is_finished:
+                        self.scheduler.finish(sample, "abort")
         outputs = [self._output(group) for group in advanced.values()]
         for out in outputs:
             if out.finished:
@@ -264,4 +284,5 @@ class LLMEngine:
             prompt_token_ids=group.samples[0].prompt_token_ids,
             outputs=completions,
             finished=all(s.is_finished for s in group.samples),
+            error=group.error,
         )

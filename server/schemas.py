@@ -1,0 +1,217 @@
+"""OpenAI wire formats as msgspec Structs (field names are OpenAI's, plus vLLM's extensions).
+
+Requests are decoded strictly: an unknown field is a 400 naming it, and the fields OpenAI
+defines but ksana-jax does not implement (`logit_bias`, `best_of`, `tools`, ...) are
+declared only so that a request using them gets a 400 saying so instead of being silently
+served without them. Ranges that are fixed live here as `Meta` constraints (they show in
+the OpenAPI schema); ranges that depend on the engine (`logprobs` <= max_logprobs, prompt +
+max_tokens <= max_model_len) are checked by the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+Seed = Annotated[int, Meta(ge=0, lt=2**32)]
+Stop = str | list[str]
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    user: str | None = None
+    # vLLM's extensions
+    top_k: Annotated[int, Meta(ge=-1)] = 0
+    min_p: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
+    min_tokens: NonNegInt = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[NonNegInt] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # OpenAI fields the engine does not implement: a request that sets one gets a 400.
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+
+UNSUPPORTED_FIELDS = (
+    "logit_bias",
+    "best_of",
+    "suffix",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+)
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: str | list[str | int | list[int]]
+    max_tokens: PositiveInt | None = 16
+    logprobs: NonNegInt | None = None
+    echo: bool = False
+
+
+class TextPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: NonNegInt | None = None
+    add_generation_prompt: bool = True
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(msgspec.Struct):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(msgspec.Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    max_model_len: int
+    owned_by: str = "ksana-jax"
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo

@@ -1,0 +1,79 @@
+"""`ksana-jax serve`: load a model, start the engine thread, serve the app with uvicorn.
+
+The server listens at once; the engine thread compiles every step bucket first, and
+`/health` answers 503 (completions too, with Retry-After) until it is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import uvicorn
+
+from ksana_jax.async_engine import AsyncEngine
+from ksana_jax.config import EngineConfig
+from ksana_jax.demo import DEMO_NAME, resolve_model
+from ksana_jax.engine import LLMEngine
+from ksana_jax.model import load
+from server.app import create_app
+
+log = logging.getLogger("ksana_jax.server")
+
+
+def serve(
+    model: str,
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_pending_requests: int = 1024,
+    log_level: str = "info",
+) -> None:
+    start = time.perf_counter()
+    if config.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+    name = served_model_name or (
+        "SmolLM2-135M-Instruct" if model == DEMO_NAME else Path(model).name or model
+    )
+    loaded = load(resolve_model(model), dtype=config.dtype)
+    engine = LLMEngine(loaded, config)
+    shapes = len(config.bucket_shapes())
+    print(
+        f"ksana-jax: loaded {name} in {time.perf_counter() - start:.1f}s; compiling {shapes} "
+        f"step shapes before /health turns 200",
+        file=sys.stderr,
+        flush=True,
+    )
+    async_engine = AsyncEngine(engine, warm_up=True)
+    api_key = api_key or os.environ.get("KSANA_API_KEY")
+    app = create_app(async_engine, name, api_key, max_pending_requests)
+    app.on_startup.append(lambda: _announce(async_engine, host, port, name, start))
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        async_engine.shutdown()
+
+
+def _announce(engine: AsyncEngine, host: str, port: int, name: str, start: float) -> None:
+    url = f"http://{host}:{port}"
+
+    def wait() -> None:
+        engine.ready.wait()
+        if engine.is_dead:
+            return
+        print(
+            f"ksana-jax: ready in {time.perf_counter() - start:.1f}s, serving {name} at {url}\n"
+            f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"prompt": "The capital of France is", "max_tokens": 16}}\'',
+            file=sys.stderr,
+            flush=True,
+        )
+
+    threading.Thread(target=wait, daemon=True).start()
