@@ -513,3 +513,36 @@ def test_a_failing_request_fails_alone(inprocess, monkeypatch, caplog):
     assert fine.status_code == 200 and fine.json()["choices"][0]["text"]
     assert engine.error is None and http.get("/health").status_code == 200
     assert engine.engine.pages.num_free == engine.engine.pages.num_usable
+
+
+# ---------------------------------------------------------------------------- SmolLM2
+
+SMOL_FLAGS = {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 64}
+
+
+@pytest.mark.slow
+def test_smollm2_server_equals_llm(smollm2_dir):
+    """The real model through HTTP and the openai client: same greedy text as `LLM`."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SMOL_FLAGS.items()]
+    proc, url = start_server(smollm2_dir, *flags)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        (name,) = [m.id for m in client.models.list().data]
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        chat = client.chat.completions.create(
+            model=name, messages=messages, temperature=0, max_tokens=24
+        )
+        prompt = "The three primary colours are"
+        completion = client.completions.create(
+            model=name, prompt=prompt, temperature=0, max_tokens=24
+        )
+    finally:
+        log = stop_server(proc)
+    assert "Traceback" not in log, log
+    llm = LLM(smollm2_dir, warm_up=False, **SMOL_FLAGS)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    (want_chat,) = llm.chat(messages, params, use_tqdm=False)
+    (want_completion,) = llm.generate(prompt, params, use_tqdm=False)
+    assert chat.choices[0].message.content == want_chat.outputs[0].text
+    assert "Paris" in chat.choices[0].message.content
+    assert completion.choices[0].text == want_completion.outputs[0].text
