@@ -18,7 +18,7 @@ import uvicorn
 
 from ksana_jax.async_engine import AsyncEngine
 from ksana_jax.config import EngineConfig
-from ksana_jax.demo import DEMO_NAME, resolve_model
+from ksana_jax.demo import DEMO_NAME, cache_dir, resolve_model
 from ksana_jax.engine import LLMEngine
 from ksana_jax.model import load
 from server.app import create_app
@@ -37,8 +37,9 @@ def serve(
     log_level: str = "info",
 ) -> None:
     start = time.perf_counter()
-    if config.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+    # A persistent compilation cache by default: a restart skips most of the warm-up.
+    compile_cache = config.compilation_cache_dir or str(cache_dir() / "jax")
+    jax.config.update("jax_compilation_cache_dir", compile_cache)
     name = served_model_name or (
         "SmolLM2-135M-Instruct" if model == DEMO_NAME else Path(model).name or model
     )
