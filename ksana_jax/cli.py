@@ -149,10 +149,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             options["metavar"] = "N,N,..."
         else:
             options["type"] = base
-        shown = ",".join(map(str, field.default)) if isinstance(field.default, tuple) else None
-        default = "derived" if shown == "" else (shown or field.default)
+        if field.metadata.get("choices"):
+            options["choices"] = field.metadata["choices"]
         help_text = field.metadata.get("help", "")
-        options["help"] = f"{help_text} (default: {default})".strip()
+        if field.default not in (None, ()):
+            help_text += f" (default: {field.default})"
+        options["help"] = help_text
         group.add_argument("--" + field.name.replace("_", "-"), **options)
 
 

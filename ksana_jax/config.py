@@ -304,6 +304,11 @@ def _geometric(low: int, high: int, factor: int) -> tuple[int, ...]:
     return (*values, high)
 
 
+def _field(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its one-line help (the CLI turns each field into a flag)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """The engine's single configuration object (vLLM's names where vLLM has one).
@@ -314,22 +319,37 @@ class EngineConfig:
     combination, so serving never compiles. Empty bucket lists are derived from the limits.
     """
 
-    dtype: str = "auto"  # parameter dtype; auto = the checkpoint's
-    kv_cache_dtype: str = "auto"  # auto = dtype, but float32 on CPU (see kv_cache.py)
-    max_model_len: int = 2048  # prompt + output tokens of one request
-    page_size: int = 16  # tokens per KV page
-    num_pages: int | None = None  # KV pages incl. the sink; None = from kv_cache_memory_gib
-    kv_cache_memory_gib: float | None = None  # KV budget; None = enough for max_num_seqs
-    # full-length sequences, at most 2 GiB
-    max_num_seqs: int = 32  # rows per step
-    max_num_batched_tokens: int = 256  # tokens per step (decode tokens + prefill chunks)
-    token_buckets: tuple[int, ...] = ()
-    seq_buckets: tuple[int, ...] = ()
-    context_buckets: tuple[int, ...] = ()  # multiples of page_size
-    max_logprobs: int = 20  # largest top-N logprobs a request may ask for
-    attention_backend: str = "auto"
-    seed: int = 0  # draws the seeds of requests that give none
-    compilation_cache_dir: str | None = None  # JAX persistent compilation cache
+    dtype: str = _field("auto", "parameter dtype; auto = the checkpoint's", ENGINE_DTYPES)
+    kv_cache_dtype: str = _field(
+        "auto", "KV cache dtype; auto = the parameter dtype, but float32 on CPU", ENGINE_DTYPES
+    )
+    max_model_len: int = _field(2048, "longest request: prompt + output tokens")
+    page_size: int = _field(16, "tokens per KV page")
+    num_pages: int | None = _field(
+        None, "KV pages including the padding sink; unset = from kv_cache_memory_gib"
+    )
+    kv_cache_memory_gib: float | None = _field(
+        None, "KV budget in GiB; unset = enough for max_num_seqs full-length sequences, <= 2 GiB"
+    )
+    max_num_seqs: int = _field(32, "most sequences (rows) in one step")
+    max_num_batched_tokens: int = _field(
+        256, "most tokens in one step (decode tokens + prefill chunks)"
+    )
+    token_buckets: tuple[int, ...] = _field((), "tokens-per-step shapes; unset = derived")
+    seq_buckets: tuple[int, ...] = _field((), "sequences-per-step shapes; unset = derived")
+    context_buckets: tuple[int, ...] = _field(
+        (), "context shapes, multiples of page_size; unset = derived"
+    )
+    max_logprobs: int = _field(20, "largest top-N logprobs a request may ask for")
+    attention_backend: str = _field(
+        "auto",
+        "attention kernels; auto = Pallas on TPU/GPU, reference (jnp) on CPU",
+        ATTENTION_BACKENDS,
+    )
+    seed: int = _field(0, "draws the seeds of requests that give none")
+    compilation_cache_dir: str | None = _field(
+        None, "JAX persistent compilation cache directory (serve: ~/.cache/ksana-jax/jax)"
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in ENGINE_DTYPES:

@@ -66,3 +66,24 @@ def test_named_metrics_are_exported():
         for name in set(re.findall(r"`(ksana_(?!jax)\w+)`", doc.read_text())):
             base = re.sub(r"_(total|bucket|count|sum)$", "", name)
             assert base in exported, f"{doc.name} names {name}, which /metrics does not export"
+
+
+def test_serve_has_a_flag_per_engine_config_field():
+    import dataclasses
+
+    from ksana_jax import EngineConfig
+
+    flags = "serve --max-num-seqs 8 --max-num-batched-tokens 64 --token-buckets 16,64"
+    args = build_parser().parse_args([*flags.split(), "--dtype", "bfloat16"])
+    config = engine_config_from_args(args)
+    assert args.model == "demo"  # serve's MODEL defaults to the demo model
+    assert config.max_num_seqs == 8 and config.token_buckets == (16, 64)
+    assert config.dtype == "bfloat16"
+    defaults = engine_config_from_args(build_parser().parse_args(["serve"]))
+    assert defaults == EngineConfig()
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for field in dataclasses.fields(EngineConfig):
+        assert f"--{field.name.replace('_', '-')}" in help_text
+        assert field.metadata["help"].split(";")[0][:20] in " ".join(help_text.split())
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--dtype", "float16"])
