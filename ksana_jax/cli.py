@@ -225,7 +225,10 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ksana-jax", description="LLM inference and serving on JAX/XLA."
+        prog="ksana-jax",
+        description="LLM inference and serving on JAX/XLA.",
+        epilog="`ksana-jax COMMAND --help` lists a command's options. MODEL may be `demo`, "
+        "the bundled SmolLM2-135M-Instruct (`ksana-jax serve` with no MODEL serves it).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_convert(sub)
