@@ -328,6 +328,7 @@ class EngineConfig:
     context_buckets: tuple[int, ...] = ()  # multiples of page_size
     max_logprobs: int = 20  # largest top-N logprobs a request may ask for
     attention_backend: str = "auto"
+    enable_prefix_caching: bool = True  # share the K/V pages of common prompt prefixes
     seed: int = 0  # draws the seeds of requests that give none
     compilation_cache_dir: str | None = None  # JAX persistent compilation cache
 
