@@ -133,7 +133,8 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int:
         """Gives a waiting request its cached prefix and the pages of its first chunk.
 
-        Returns the chunk's size, or 0 -- and the request holds nothing -- if pages are short.
+        Returns the chunk's size, or 0 if pages are short: then the request holds nothing,
+        and its cached pages are back in the cache, now the most recently released.
         """
         if self.cache is not None:
             max_pages = (request.num_tokens - 1) // self.page_size  # the last token computes
