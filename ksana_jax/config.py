@@ -346,6 +346,9 @@ class EngineConfig:
         "attention kernels; auto = Pallas on TPU/GPU, reference (jnp) on CPU",
         ATTENTION_BACKENDS,
     )
+    enable_prefix_caching: bool = _field(
+        True, "share the K/V pages of common prompt prefixes across requests"
+    )
     seed: int = _field(0, "draws the seeds of requests that give none")
     compilation_cache_dir: str | None = _field(
         None, "JAX persistent compilation cache directory (serve: ~/.cache/ksana-jax/jax)"

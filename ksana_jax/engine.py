@@ -5,10 +5,12 @@
     outputs = postprocess(...)            append tokens, detokenize, stop checks
 
 Requests come in as text or token ids with SamplingParams; a request with n > 1 runs as n
-samples sharing one request id. Outputs are vLLM-shaped RequestOutputs for the requests
-that advanced in the step. Stop strings are matched on the detokenized text (so they may
-span tokens) and are cut from it; until a request finishes, the last characters that could
-still start a stop string are held back from its visible text.
+samples sharing one request id (with the prefix cache on, samples after the first start once
+the first has computed the prompt, and share its pages). Outputs are vLLM-shaped
+RequestOutputs for the requests that advanced in the step. Stop strings are matched on the
+detokenized text (so they may span tokens) and are cut from it; until a request finishes,
+the last characters that could still start a stop string are held back from its visible
+text.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ksana_jax.config import EngineConfig
 from ksana_jax.model import Model
 from ksana_jax.outputs import CompletionOutput, RequestOutput
 from ksana_jax.page_manager import PageManager
+from ksana_jax.prefix_cache import PrefixCache
 from ksana_jax.request import Request
 from ksana_jax.runner import MAX_SUPPRESSED_IDS, ModelRunner, suppressed_ids
 from ksana_jax.sampling import SampledTokens
@@ -46,12 +49,16 @@ class _Group:
 
 @dataclasses.dataclass
 class EngineStats:
+    """Counters since the engine started (Prometheus counters)."""
+
     prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens found cached
+    # Prefix cache, in tokens: prompt tokens of started requests (not counting restarts after
+    # preemption) looked up in the cache, and those found there. Hit rate = hits / queries.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class LLMEngine:
@@ -65,7 +72,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = model.tokenizer
         self.runner = ModelRunner(model, config)
-        self.pages = PageManager(self.runner.num_pages)
+        cache = PrefixCache(config.page_size) if config.enable_prefix_caching else None
+        self.pages = PageManager(self.runner.num_pages, cache)
         self.scheduler = Scheduler(
             self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens
         )
@@ -77,6 +85,14 @@ class LLMEngine:
 
     def warm_up(self, progress: bool = True) -> int:
         return self.runner.warm_up(progress)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction (0..1) of the usable KV pages that running requests reference.
+
+        Cached pages that no request references count as free: they are reused on demand.
+        """
+        return self.pages.num_used / self.pages.num_usable
 
     # ------------------------------------------------------------------ requests
 
@@ -153,6 +169,10 @@ class LLMEngine:
                 else self._seeds.getrandbits(32)
             )
             sample.arrival = next(self._arrivals)
+        # With the prefix cache, the other samples wait for the first to compute the prompt
+        # (see _postprocess), then find its pages cached instead of each computing a copy.
+        sharing = self.config.enable_prefix_caching
+        for sample in group.samples[:1] if sharing else group.samples:
             self.scheduler.add(sample)
         self._groups[group.request_id] = group
 
@@ -178,16 +198,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of usable KV pages held by requests."""
-        return 1.0 - self.pages.num_free / self.pages.num_usable
-
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         self.stats.preemptions += len(scheduled.preempted)
+        self.stats.prefix_cache_queries += scheduled.prefix_cache_queries
+        self.stats.prefix_cache_hits += scheduled.prefix_cache_hits
         if not scheduled.chunks:
             return []
         sampled = self.runner.run(scheduled.chunks)
@@ -203,10 +220,13 @@ class LLMEngine:
             request.num_computed_tokens += chunk.num_tokens
             if not chunk.samples:
                 continue
+            group = self._groups[request.parent_id]
             if len(request.output_token_ids) == 0:
                 self.stats.prompt_tokens += len(request.prompt_token_ids)
+                if request.index == 0 and self.config.enable_prefix_caching:
+                    for sibling in group.samples[1:]:  # the prompt's pages are computed now
+                        self.scheduler.add(sibling)
             self.stats.generation_tokens += 1
-            group = self._groups[request.parent_id]
             advanced[group.request_id] = group
             if group.error is not None:
                 continue

@@ -33,6 +33,10 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in this request's pages
+    # Prefix cache: the chained hashes of the pages whose tokens are all computed, and what
+    # besides token ids changes K/V (a future LoRA id): only equal salts share pages.
+    page_hashes: list[bytes] = field(default_factory=list)
+    cache_salt: str = ""
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str = ""  # detokenized output (host postprocessing fills it)

@@ -10,6 +10,15 @@ Pages are allocated as a chunk needs them. When none are left, the newest lowest
 running request is preempted: its pages are freed and it goes back to waiting, to be
 recomputed from its prompt plus what it has generated (its outputs are kept). Abort frees
 everything a request holds, whatever its state.
+
+Prefix cache (when the PageManager has one): a request starting from waiting first takes the
+longest cached run of its leading full pages (shared by refcount) and computes only the
+rest -- always at least its last token, whose logits the step samples. A page enters the
+cache once all its tokens' K/V are computed: for running requests at the start of each
+`schedule()` (after the engine has counted the previous step), and on release (finish,
+abort, preemption), before the page is freed. So a page is never found while it is still
+being written, a chunk cut mid-page is never cached, and generated tokens are cached too
+(a follow-up turn or a preempted request finds its own pages again).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import bisect
 import dataclasses
 
 from ksana_jax.page_manager import PageManager
+from ksana_jax.prefix_cache import page_hash, root_hash
 from ksana_jax.request import Request, RequestStatus
 
 
@@ -43,6 +53,10 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
     preempted: list[Request]
+    # Prefix cache, in tokens, over the requests started this step for the first time (not
+    # resumed after preemption): prompt tokens looked up, and those found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +68,7 @@ class Scheduler:
         self, pages: PageManager, page_size: int, max_num_seqs: int, max_num_batched_tokens: int
     ):
         self.pages = pages
+        self.cache = pages.cache
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -78,9 +93,12 @@ class Scheduler:
         request.finish_reason = reason
 
     def schedule(self) -> SchedulerOutput:
+        for request in self.running:
+            self._cache_computed_pages(request)
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
+        out = SchedulerOutput(chunks, preempted)
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -99,15 +117,38 @@ class Scheduler:
         # Start (or resume) waiting requests only when nothing had to be preempted.
         while self.waiting and not preempted and budget and len(chunks) < self.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve_pages(request, request.num_computed_tokens + n):
+            n = self._admit(request, budget)
+            if n == 0:
                 break
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
             budget -= n
-        return SchedulerOutput(chunks, preempted)
+            if self.cache is not None and not request.num_preemptions:
+                out.prefix_cache_queries += request.num_tokens
+                out.prefix_cache_hits += request.num_computed_tokens
+        return out
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Gives a waiting request its cached prefix and the pages of its first chunk.
+
+        Returns the chunk's size, or 0 if pages are short: then the request holds nothing,
+        and its cached pages are back in the cache, now the most recently released.
+        """
+        if self.cache is not None:
+            max_pages = (request.num_tokens - 1) // self.page_size  # the last token computes
+            page_ids, hashes = self.cache.lookup(
+                request.all_token_ids, max_pages, request.cache_salt
+            )
+            self.pages.share(page_ids)
+            request.page_ids, request.page_hashes = page_ids, hashes
+            request.num_computed_tokens = len(page_ids) * self.page_size
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self._reserve_pages(request, request.num_computed_tokens + n):
+            self._release(request)
+            return 0
+        return n
 
     def _reserve_pages(self, request: Request, num_tokens: int) -> bool:
         """Makes the request hold pages for `num_tokens` tokens; False if none are left."""
@@ -126,6 +167,24 @@ class Scheduler:
         self.add(request)
 
     def _release(self, request: Request) -> None:
-        self.pages.free(request.page_ids)
+        self._cache_computed_pages(request)
+        # Last page first: parked pages are evicted oldest first, so a cached sequence is
+        # evicted from its end, and the leading pages other prompts share stay longest.
+        self.pages.free(reversed(request.page_ids))
         request.page_ids = []
+        request.page_hashes = []
         request.num_computed_tokens = 0
+
+    def _cache_computed_pages(self, request: Request) -> None:
+        """Names each of the request's pages whose tokens are all computed in the cache."""
+        num_full = request.num_computed_tokens // self.page_size
+        if self.cache is None or len(request.page_hashes) >= num_full:
+            return
+        token_ids = request.all_token_ids
+        hashes = request.page_hashes
+        for i in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+            hashes.append(
+                page_hash(parent, token_ids[i * self.page_size : (i + 1) * self.page_size])
+            )
+            self.cache.insert(request.page_ids[i], hashes[-1])

@@ -143,8 +143,11 @@ def test_no_compilation_after_warm_up(tiny_model):
         ),
         SamplingParams(n=2, temperature=0.7, max_tokens=6, stop=["w1"], min_tokens=2),
     ]
+    shared = [int(t) for t in rng.integers(3, TINY_VOCAB, 64)]  # prefix-cache hits too
     for i in range(24):
         prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, int(rng.integers(1, 120)))]
+        if i % 3 == 1:
+            prompt = shared[: int(rng.integers(1, 65))] + prompt[:40]
         engine.add_request(f"r{i}", prompt, variants[i % len(variants)], priority=i % 3)
         if i % 5 == 4:
             engine.step()
@@ -152,6 +155,7 @@ def test_no_compilation_after_warm_up(tiny_model):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats.preemptions > 0
+    assert engine.stats.prefix_cache_hits > 0
     assert compile_count() == warm
     assert compiles == []
     assert engine.pages.num_free == engine.pages.num_usable
@@ -267,3 +271,110 @@ def test_bfloat16_engine_keeps_a_float32_kv_on_cpu(tiny_model):
     assert llm.engine.runner.kv.dtype == jax.numpy.float32  # see kv_cache.resolve_kv_dtype
     out = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [12, 12, 12]
+
+
+# --------------------------------------------------------------------------- prefix cache
+
+RNG_PREFIX = np.random.default_rng(5)
+
+
+def random_tokens(n: int) -> list[int]:
+    return [int(t) for t in RNG_PREFIX.integers(3, TINY_VOCAB, n)]
+
+
+LONG_SYSTEM = random_tokens(41)  # 10 full pages of 4 and one token
+SHORT_SYSTEM = random_tokens(5)
+OTHER = random_tokens(30)
+FIRST_WAVE = [LONG_SYSTEM + random_tokens(7), SHORT_SYSTEM + random_tokens(9), OTHER]
+
+
+SUFFIXES = [random_tokens(n) for n in (6, 20, 5, 5, 3)]
+
+
+def second_wave(first_output: list[int]) -> list[list[int]]:
+    """Prompts that reuse the first wave's prompts (and generated tokens) in every way."""
+    return [
+        LONG_SYSTEM + SUFFIXES[0],  # long shared prefix
+        SHORT_SYSTEM + SUFFIXES[1],  # short one (a page and a token)
+        LONG_SYSTEM[:32] + SUFFIXES[2],  # ends exactly on a page boundary
+        LONG_SYSTEM[:33] + SUFFIXES[3],  # one token past it
+        OTHER[:20],  # entirely a prefix of an earlier prompt, on a boundary
+        OTHER[:23],  # ... and not on one
+        list(OTHER),  # the same prompt again: all its full pages cached
+        FIRST_WAVE[0] + first_output[:9] + SUFFIXES[4],  # a follow-up turn
+    ]
+
+
+def run_waves(model, params, **overrides):
+    """Generates the first wave, then the second; returns token ids and the engine."""
+    llm = LLM(model, warm_up=False, **(BASE | overrides))
+    first = [o.outputs for o in llm.generate(FIRST_WAVE, params, use_tqdm=False)]
+    first_ids = [[c.token_ids for c in outs] for outs in first]
+    second = llm.generate(second_wave(first_ids[0][0]), params, use_tqdm=False)
+    second_ids = [[c.token_ids for c in o.outputs] for o in second]
+    return first_ids + second_ids, llm.engine
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"max_num_batched_tokens": 16, "token_buckets": (16,)}, SMALL_POOL],
+    ids=["batched", "chunks16", "eviction"],
+)
+def test_prefix_cache_greedy_equals_cache_off(tiny_model, overrides):
+    want, _ = run_waves(tiny_model, GREEDY, enable_prefix_caching=False, **overrides)
+    got, engine = run_waves(tiny_model, GREEDY, **overrides)
+    prompts = FIRST_WAVE + second_wave(want[0][0])
+    for prompt, g, w in zip(prompts, got, want, strict=True):
+        assert_same_greedy(tiny_model, prompt, g[0], w[0])
+    stats = engine.stats
+    assert stats.prefix_cache_queries == sum(len(p) for p in prompts)
+    assert stats.prefix_cache_hits >= 4 * 25, stats  # most of the second wave's full pages
+    if "num_pages" in overrides:  # 29 pages, while the working set needs about 100
+        assert engine.pages.cache.num_evictions > 0 and stats.preemptions > 0
+    assert engine.pages.num_free == engine.pages.num_usable
+    assert engine.kv_cache_usage == 0.0
+
+
+def test_prefix_cache_seeded_sampling_equals_cache_off(tiny_model):
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=10, ignore_eos=True),
+        SamplingParams(n=3, temperature=1.1, top_p=0.9, seed=11, max_tokens=8, ignore_eos=True),
+    ]
+    for p in params:
+        want, _ = run_waves(tiny_model, p, enable_prefix_caching=False)
+        got, engine = run_waves(tiny_model, p)
+        assert got == want
+        assert engine.stats.prefix_cache_hits > 0
+
+
+def test_n_samples_share_the_prompt_pages(tiny_model):
+    prompt = LONG_SYSTEM[:33]  # 8 full pages and one token
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    usage = {}
+    for caching in (True, False):
+        llm = LLM(tiny_model, warm_up=False, **(BASE | {"enable_prefix_caching": caching}))
+        engine = llm.engine
+        engine.add_request("n3", prompt, params)
+        samples = engine._groups["n3"].samples
+        engine.step()  # the first sample computes the prompt; the others wait for it
+        if caching:
+            assert [len(s.output_token_ids) for s in samples] == [1, 0, 0]
+        engine.step()
+        assert all(s.output_token_ids for s in samples)
+        usage[caching] = engine.kv_cache_usage
+        if caching:
+            leader = samples[0].page_ids[:8]
+            assert all(s.page_ids[:8] == leader for s in samples[1:])
+            assert all(engine.pages.refcounts[p] == 3 for p in leader)
+            assert engine.stats.prefix_cache_hits == 2 * 32
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.kv_cache_usage == 0.0
+    assert usage[True] < usage[False]
+
+
+def test_prefix_caching_off_has_no_cache(tiny_model):
+    llm = LLM(tiny_model, warm_up=False, enable_prefix_caching=False, **BASE)
+    llm.generate([OTHER, OTHER], GREEDY, use_tqdm=False)
+    assert llm.engine.pages.cache is None
+    assert llm.engine.stats.prefix_cache_queries == llm.engine.stats.prefix_cache_hits == 0

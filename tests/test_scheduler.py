@@ -5,14 +5,18 @@ finish sequences with a fake device that follows the engine's protocol (`LLMEngi
 `_postprocess`): after `schedule()`, each chunk advances `num_computed_tokens` by its size and a
 chunk that reaches the last known token appends one sampled token; a request finishes through
 `scheduler.finish` ("length" at `max_tokens`, "stop" at a drawn point, "abort" at any time).
-The fake device also keeps a fake KV cache (one token id per page slot): every chunk writes
-its tokens into the request's pages, then reads back every position it attends to, so a page
-handed to two requests at once or freed while still in use shows up as a wrong token.
+The fake device also keeps a fake KV cache: every chunk writes into the request's pages a
+fingerprint of each position's token and all tokens before it (what real K/V depend on), then
+reads back every position it attends to, so a page handed to two requests at once, freed while
+still in use, or found in the prefix cache for the wrong prefix shows up as a wrong value.
+A second scheduler machine runs with a prefix cache, on prompts that reuse earlier requests'
+tokens, with an outsider that forces evictions.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import sys
 
 import pytest
@@ -29,6 +33,7 @@ from hypothesis.stateful import (
 
 from ksana_jax.kv_cache import SINK_PAGE
 from ksana_jax.page_manager import PageManager
+from ksana_jax.prefix_cache import PrefixCache, page_hash, page_hashes, root_hash
 from ksana_jax.request import Request, RequestStatus
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.scheduler import Scheduler, SchedulerOutput
@@ -68,20 +73,38 @@ def sampled_token(request: Request) -> int:
     return 10**6 + 1000 * request.arrival + len(request.output_token_ids)
 
 
+def fingerprints(request: Request) -> list[int]:
+    """What the fake device stores for each position: like real K/V, it depends on the token
+    there, every token before it, and the cache salt."""
+    chain = itertools.accumulate(
+        request.all_token_ids, lambda fp, t: hash((fp, t)), initial=hash(request.cache_salt)
+    )
+    return list(chain)[1:]
+
+
 def check_pool(pages: PageManager, owners: list[list[int]]) -> None:
-    """Refcounts equal owners, the free list is exactly the refcount-0 pages, sink unused."""
+    """Refcounts equal owners; the refcount-0 pages are exactly the free list plus the cache's
+    parked pages, never both; free pages have no hash, parked ones do; sink unused."""
     counts = collections.Counter(p for page_ids in owners for p in page_ids)
     assert SINK_PAGE not in counts, "the sink page was handed out"
     assert pages.refcounts[SINK_PAGE] == 0
     for p in range(pages.num_pages):
         assert pages.refcounts[p] == counts[p], (p, pages.refcounts[p], counts[p])
     free = list(pages._free)
-    assert len(free) == len(set(free)), f"a page is free twice: {free}"
-    assert sorted(free) == [
+    parked = list(pages.cache._lru) if pages.cache else []
+    assert len(free + parked) == len(set(free + parked)), f"free twice: {free} {parked}"
+    assert sorted(free + parked) == [
         p for p in range(pages.num_pages) if p != SINK_PAGE and pages.refcounts[p] == 0
     ]
+    if pages.cache:
+        assert not any(pages.cache.holds(p) for p in free), "a page is both free and cached"
+        assert all(pages.cache.holds(p) for p in parked)
+        hashes = pages.cache._hash_of
+        assert {h: p for p, h in hashes.items()} == pages.cache._page_of, "not one-to-one"
+        assert SINK_PAGE not in hashes
     used = sum(1 for c in pages.refcounts if c > 0)
     assert pages.num_free + used == pages.num_usable == pages.num_pages - 1
+    assert pages.num_used == used
 
 
 # --------------------------------------------------------------------------- page manager
@@ -102,6 +125,9 @@ class PageManagerMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 10))
     def allocate(self, n):
         free_before = self.pages.num_free
+        plain_free_before = len(self.pages._free)
+        cache = self.pages.cache
+        evictions_before = cache.num_evictions if cache else 0
         assert self.pages.can_allocate(n) == (n <= free_before)
         if n > free_before:
             with pytest.raises(RuntimeError):
@@ -111,6 +137,9 @@ class PageManagerMachine(RuleBasedStateMachine):
         got = self.pages.allocate(n)
         assert len(got) == len(set(got)) == n
         assert all(self.pages.refcounts[p] == 1 for p in got)
+        if cache:  # parked pages are taken only once no plain free page is left
+            assert cache.num_evictions - evictions_before == max(0, n - plain_free_before)
+            assert not any(cache.holds(p) for p in got)
         self.owners.append(got)
 
     @precondition(lambda self: self.owners)
@@ -146,6 +175,47 @@ def test_page_manager_state_machine():
     run_state_machine_as_test(PageManagerMachine, settings=MACHINE_SETTINGS)
 
 
+class CachingPageManagerMachine(PageManagerMachine):
+    """The same with a prefix cache: owners name their pages with hashes, a named page whose
+    last owner frees it is parked, later owners hit named pages (parked or in use), and
+    allocation evicts parked pages, least recently released first, only when it must."""
+
+    @initialize(num_pages=st.integers(2, 24))
+    def configure(self, num_pages):
+        self.pages = PageManager(num_pages, PrefixCache(page_size=1))
+        self.names = itertools.count()
+
+    @precondition(lambda self: any(self.owners))
+    @rule(data=st.data())
+    def name(self, data):
+        page = data.draw(st.sampled_from([p for o in self.owners for p in o]), label="page")
+        named = self.pages.cache.holds(page)
+        assert self.pages.cache.insert(page, next(self.names).to_bytes(8)) is not named
+
+    @precondition(lambda self: self.pages is not None and len(self.pages.cache))
+    @rule(data=st.data())
+    def hit(self, data):
+        _, page = data.draw(st.sampled_from(self.pages.cache.items()), label="hit")
+        self.pages.share([page])
+        self.owners.append([page])
+
+    @precondition(lambda self: self.pages is not None and self.pages.cache.num_parked)
+    @rule()
+    def take_everything(self):
+        """Plain free pages go first, then parked ones in the order they were parked, each
+        losing its hash."""
+        plain = list(self.pages._free)
+        parked = list(self.pages.cache._lru)
+        taken = self.pages.allocate(self.pages.num_free)
+        assert taken == plain + parked
+        assert not any(self.pages.cache.holds(p) for p in taken)
+        self.owners.append(taken)
+
+
+def test_caching_page_manager_state_machine():
+    run_state_machine_as_test(CachingPageManagerMachine, settings=MACHINE_SETTINGS)
+
+
 # --------------------------------------------------------------------------- scheduler
 
 
@@ -175,7 +245,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
     def configure(self, page_size, num_pages, max_num_seqs, max_num_batched_tokens):
         self.page_size = page_size
-        self.pages = PageManager(num_pages)
+        self.pages = self.make_pages(num_pages)
         self.sched = Scheduler(self.pages, page_size, max_num_seqs, max_num_batched_tokens)
         # A request never holds K/V for more than prompt + max_tokens - 1 tokens (the last
         # sampled token is not fed back), and that must fit the pool alone (liveness).
@@ -185,11 +255,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), priority=st.integers(0, 2))
     def add(self, data, priority):
         prompt_len = data.draw(st.integers(1, min(60, self.capacity)), label="prompt_len")
+        self.submit(data, make_request(self.arrivals, prompt_len, priority=priority))
+
+    def submit(self, data, request: Request) -> None:
+        """Draws the request's length limits, then adds it to the scheduler."""
+        prompt_len = len(request.prompt_token_ids)
         max_tokens = data.draw(
             st.integers(1, min(40, self.capacity - prompt_len + 1)), label="max_tokens"
         )
         stop_at = data.draw(st.none() | st.integers(1, max_tokens), label="stop_at")
-        request = make_request(self.arrivals, prompt_len, max_tokens, priority)
+        request.params = SamplingParams(max_tokens=max_tokens)
         self.arrivals += 1
         self.spec[request.request_id] = (max_tokens, stop_at)
         self.expected_out[request.request_id] = []
@@ -217,6 +292,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("abort waiting")
         self.end(request, "abort")
 
+    # ---- what the prefix-cache machine changes
+
+    def make_pages(self, num_pages: int) -> PageManager:
+        return PageManager(num_pages)
+
+    def check_start(self, chunk, evicted: bool) -> None:
+        """A request started from waiting: without a cache it computes from token 0."""
+        assert chunk.start == 0
+
+    def check_head_blocked(self, head: Request, budget_left: int) -> None:
+        """Work conserving: the head of the queue stayed only because it needs more pages."""
+        n = min(head.num_tokens - head.num_computed_tokens, budget_left)
+        assert cdiv(n, self.page_size) > self.pages.num_free
+
     # ---- the engine protocol with a fake device
 
     def end(self, request: Request, reason: str) -> None:
@@ -240,8 +329,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             r.request_id: (r.num_computed_tokens, list(r.output_token_ids)) for r in self.live
         }
         preemptions_before = {r.request_id: r.num_preemptions for r in self.live}
+        cache = self.pages.cache
+        evictions_before = cache.num_evictions if cache else 0
 
         out = sched.schedule()
+        evicted = cache is not None and cache.num_evictions > evictions_before
         chunks = out.chunks
         requests = [c.request for c in chunks]
 
@@ -259,7 +351,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert contains(self.live, r)
             assert r.status is RequestStatus.RUNNING and contains(sched.running, r)
             assert c.num_tokens >= 1
-            assert c.start == before[r.request_id][0], "chunk does not start at computed"
+            if contains(running_before, r):
+                assert c.start == before[r.request_id][0], "chunk does not start at computed"
+            else:
+                self.check_start(c, evicted)
             assert c.start + c.num_tokens <= r.num_tokens
             assert c.samples == (c.start + c.num_tokens == r.num_tokens)
             assert c.token_ids == r.all_token_ids[c.start : c.start + c.num_tokens]
@@ -290,10 +385,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if out.preempted:
             assert not new, "a waiting request started in a step that had to preempt"
         elif sched.waiting and budget_left and seqs_left:
-            # Work conserving: the head of the queue stayed only because it needs more pages.
-            head = sched.waiting[0]
-            n = min(head.num_tokens - head.num_computed_tokens, budget_left)
-            assert cdiv(n, ps) > self.pages.num_free
+            self.check_head_blocked(sched.waiting[0], budget_left)
 
         # Preemption: the victims are running requests ranked below everything that ran.
         if out.preempted:
@@ -317,14 +409,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         # The fake device: write every chunk's K/V, then check every attended position.
         for c in chunks:
             r = c.request
+            fps = fingerprints(r)
             for pos in range(c.start, c.start + c.num_tokens):
-                self.kv[r.page_ids[pos // ps]][pos % ps] = r.all_token_ids[pos]
+                page = r.page_ids[pos // ps]
+                assert self.pages.refcounts[page] == 1, f"writing shared page {page}"
+                self.kv[page][pos % ps] = fps[pos]
         for c in chunks:
             r = c.request
             seen = [
                 self.kv[r.page_ids[pos // ps]][pos % ps] for pos in range(c.start + c.num_tokens)
             ]
-            assert seen == r.all_token_ids[: c.start + c.num_tokens], "K/V clobbered"
+            assert seen == fingerprints(r)[: c.start + c.num_tokens], "K/V clobbered"
 
         # Postprocess, as the engine does.
         for c in chunks:
@@ -352,7 +447,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         sched = self.sched
         check_pool(self.pages, [r.page_ids for r in self.live])
         counts = collections.Counter(p for r in self.live for p in r.page_ids)
-        assert all(c == 1 for c in counts.values()), "a page is owned twice"
+        if self.pages.cache is None:
+            assert all(c == 1 for c in counts.values()), "a page is owned twice"
         for lst in (sched.running, sched.waiting):
             keys = [r.sort_key for r in lst]
             assert keys == sorted(keys)
@@ -413,6 +509,116 @@ def test_scheduler_state_machine():
     assert STATS["preemptions"] > 50, STATS
     assert STATS["abort preempted"] > 0, STATS
     assert STATS["finish length"] > 0 and STATS["finish stop"] > 0, STATS
+
+
+class PrefixCacheSchedulerMachine(SchedulerMachine):
+    """The scheduler machine with a prefix cache.
+
+    New prompts reuse an earlier request's tokens (its prompt, or prompt plus generated
+    tokens, cut on a page boundary, just past one, or anywhere) followed by fresh tokens,
+    sometimes under another cache salt, so lookups hit pages in use and parked pages; an
+    outsider takes and returns pages to force evictions. On top of the base checks: a page is
+    only written while unshared, every cached page holds the fingerprints of its hash's
+    tokens, and a request starts from the longest cached run of its pages.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.page_fps: dict[bytes, list[int]] = {}  # hash -> what its page must hold
+
+    def make_pages(self, num_pages: int) -> PageManager:
+        return PageManager(num_pages, PrefixCache(self.page_size))
+
+    @precondition(lambda self: self.live or self.finished)
+    @rule(data=st.data(), priority=st.integers(0, 2), whole_prompt=st.booleans())
+    def add_sharing(self, data, priority, whole_prompt):
+        ps = self.page_size
+        source = data.draw(st.sampled_from(self.live + self.finished), label="source")
+        tokens = source.prompt_token_ids if whole_prompt else source.all_token_ids
+        boundaries = [b for i in range(1, len(tokens) // ps + 1) for b in (i * ps, i * ps + 1)]
+        cut = data.draw(
+            st.sampled_from([len(tokens), *(b for b in boundaries if b <= len(tokens))])
+            | st.integers(0, len(tokens)),
+            label="cut",
+        )
+        num_fresh = data.draw(st.integers(0 if cut else 1, 10), label="num_fresh")
+        prompt = tokens[:cut] + [1000 * self.arrivals + 500 + i for i in range(num_fresh)]
+        request = make_request(self.arrivals, 1, priority=priority)
+        request.prompt_token_ids = prompt[: min(80, self.capacity)]
+        request.cache_salt = data.draw(st.sampled_from(["", "", "lora-1"]), label="salt")
+        self.submit(data, request)
+
+    @rule(k=st.integers(1, 12))
+    def evict(self, k):
+        """An outsider takes k pages -- parked ones once the free list is empty -- writes
+        over them and gives them back."""
+        cache = self.pages.cache
+        before = cache.num_evictions
+        taken = self.pages.allocate(min(k, self.pages.num_free))
+        for p in taken:
+            assert not cache.holds(p) and self.pages.refcounts[p] == 1
+            self.kv[p] = ["outsider"] * self.page_size
+        self.pages.free(taken)
+        STATS["evictions"] += cache.num_evictions - before
+
+    def do_step(self) -> SchedulerOutput:
+        out = super().do_step()
+        ps = self.page_size
+        for c in out.chunks:  # record what each page that is now computed must hold
+            r = c.request
+            fps = fingerprints(r)
+            hashes = page_hashes(r.all_token_ids[: c.start + c.num_tokens], ps, r.cache_salt)
+            for i, h in enumerate(hashes):
+                want = fps[i * ps : (i + 1) * ps]
+                assert self.page_fps.setdefault(h, want) == want, "hash collision"
+        return out
+
+    def check_start(self, chunk, evicted: bool) -> None:
+        """The request took the longest cached run of its full pages, short of its last
+        token; without an eviction in this step, the next page was not cached."""
+        r, ps, cache = chunk.request, self.page_size, self.pages.cache
+        num_hits, rest = divmod(chunk.start, ps)
+        assert rest == 0 and chunk.start < r.num_tokens
+        hashes = list(page_hashes(r.all_token_ids, ps, r.cache_salt))
+        assert r.page_hashes == hashes[:num_hits]
+        for i in range(num_hits):
+            assert cache.page_of(hashes[i]) == r.page_ids[i]
+        if not evicted and num_hits < (r.num_tokens - 1) // ps:
+            assert cache.page_of(hashes[num_hits]) is None, "a cached page was missed"
+        STATS["hit tokens"] += chunk.start
+        STATS["parked hits"] += sum(self.pages.refcounts[p] == 1 for p in r.page_ids[:num_hits])
+
+    def check_head_blocked(self, head: Request, budget_left: int) -> None:
+        ps = self.page_size
+        max_pages = (head.num_tokens - 1) // ps
+        hits, _ = self.pages.cache.lookup(head.all_token_ids, max_pages, head.cache_salt)
+        parked = sum(self.pages.refcounts[p] == 0 for p in hits)
+        n = min(head.num_tokens - len(hits) * ps, budget_left)
+        need = cdiv(len(hits) * ps + n, ps) - len(hits)
+        assert need > self.pages.num_free - parked
+
+    @invariant()
+    def cache_holds_its_tokens(self):
+        if self.sched is None:
+            return
+        ps = self.page_size
+        for h, page in self.pages.cache.items():
+            assert h in self.page_fps, f"page {page}'s hash names no tokens computed so far"
+            assert self.kv[page] == self.page_fps[h], f"cached page {page} holds other tokens"
+        for r in self.live:
+            assert len(r.page_hashes) <= r.num_computed_tokens // ps
+            for i, p in enumerate(r.page_ids):
+                if self.pages.refcounts[p] > 1:  # shared: full and computed for every holder
+                    assert (i + 1) * ps <= r.num_computed_tokens
+                    STATS["shared pages"] += 1
+
+
+def test_prefix_cache_scheduler_state_machine():
+    STATS.clear()
+    run_state_machine_as_test(PrefixCacheSchedulerMachine, settings=MACHINE_SETTINGS)
+    assert STATS["hit tokens"] > 1000 and STATS["parked hits"] > 50, STATS
+    assert STATS["shared pages"] > 50 and STATS["evictions"] > 20, STATS
+    assert STATS["preemptions"] > 20 and STATS["abort preempted"] > 0, STATS
 
 
 # --------------------------------------------------------------------------- unit tests
@@ -704,3 +910,109 @@ def test_page_manager_allocate_share_free():
 def test_page_manager_rejects_tiny_pool():
     with pytest.raises(ValueError, match="num_pages"):
         PageManager(1)
+
+
+# --------------------------------------------------------------------------- prefix cache
+
+
+def test_page_hashes_chain_parent_tokens_and_salt():
+    tokens = list(range(1, 10))
+    hashes = list(page_hashes(tokens, 4))
+    assert len(hashes) == 2  # the partial third page has no hash
+    assert hashes[0] == page_hash(root_hash(), [1, 2, 3, 4])
+    assert hashes[1] == page_hash(hashes[0], [5, 6, 7, 8])
+    assert len(hashes[0]) == 32 and hashes[0] != hashes[1]
+    # Same page tokens after a different first page: a different hash (K/V differ).
+    other = list(page_hashes([0, 2, 3, 4, 5, 6, 7, 8], 4))
+    assert other[0] != hashes[0] and other[1] != hashes[1]
+    salted = list(page_hashes(tokens, 4, cache_salt="lora-1"))
+    assert salted[0] != hashes[0]
+    assert page_hash(root_hash(), [2**40]) != page_hash(root_hash(), [0])  # no truncation
+
+
+def test_prefix_cache_lookup_insert_park_evict():
+    cache = PrefixCache(page_size=2)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    h = list(page_hashes(tokens, 2))
+    assert cache.lookup(tokens, 3) == ([], [])
+    assert cache.insert(5, h[0]) and cache.insert(6, h[1])
+    assert not cache.insert(7, h[0]), "a hash names one page"
+    assert not cache.insert(5, h[2]), "a page has one hash"
+    assert cache.lookup(tokens, 3) == ([5, 6], h[:2])
+    assert cache.lookup(tokens, 1) == ([5], h[:1])  # max_pages caps the walk
+    assert cache.lookup(tokens[:3], 3) == ([5], h[:1])  # only full pages
+    assert cache.lookup([9, *tokens[1:]], 3) == ([], [])  # the chain breaks at page 0
+    assert cache.lookup(tokens, 3, cache_salt="lora-1") == ([], [])
+    assert cache.insert(7, h[2])
+    for page in (6, 5, 7):
+        cache.park(page)
+    cache.unpark(5)  # a hit
+    assert cache.num_parked == 2
+    assert cache.evict() == 6  # least recently parked first; its hash is forgotten
+    assert cache.lookup(tokens, 3) == ([5], h[:1])
+    assert cache.evict() == 7
+    assert cache.num_parked == 0 and len(cache) == 1 and cache.num_evictions == 2
+    assert cache.holds(5) and not cache.holds(6)
+
+
+def test_page_manager_with_cache_parks_and_evicts_last():
+    cache = PrefixCache(page_size=2)
+    pm = PageManager(5, cache)
+    a = pm.allocate(2)
+    assert cache.insert(a[0], b"h0")
+    pm.free(a)
+    assert cache.is_parked(a[0]) and not cache.is_parked(a[1])
+    assert pm.num_free == 4 and pm.num_used == 0
+    check_pool(pm, [])
+    pm.share([a[0]])  # a hit on a parked page
+    assert pm.refcounts[a[0]] == 1 and not cache.is_parked(a[0]) and pm.num_free == 3
+    pm.share([a[0]])  # a hit on a page in use
+    pm.free([a[0], a[0]])
+    check_pool(pm, [])
+    got = pm.allocate(3)  # the plain free pages first
+    assert a[0] not in got and cache.holds(a[0])
+    got += pm.allocate(1)  # then the parked one, evicted
+    assert got[-1] == a[0] and cache.page_of(b"h0") is None and cache.num_evictions == 1
+    pm.free(got)
+    check_pool(pm, [])
+    assert pm.num_free == pm.num_usable
+    with pytest.raises(AssertionError, match="sharing free page"):
+        pm.share([a[1]])
+
+
+def test_shared_prefix_hits_and_last_token_is_computed():
+    """Unit walk-through: prompts sharing 2 full pages; a full-page prompt recomputes its
+    last page; generated tokens are cached; a finished request's pages stay until evicted."""
+    pages = PageManager(16, PrefixCache(page_size=4))
+    sched = Scheduler(pages, 4, max_num_seqs=4, max_num_batched_tokens=64)
+    system = list(range(100, 108))  # two full pages
+    first = make_request(0, 1, max_tokens=3)
+    first.prompt_token_ids = [*system, 1, 2]
+    sched.add(first)
+    out = engine_step(sched)
+    assert summary(out) == [("r0", 0, 10)] and out.prefix_cache_queries == 10
+    assert out.prefix_cache_hits == 0
+    second = make_request(1, 1, max_tokens=2)
+    second.prompt_token_ids = [*system, 3]
+    sched.add(second)
+    out = engine_step(sched)
+    assert summary(out) == [("r0", 10, 1), ("r1", 8, 1)]  # r1 starts after the shared pages
+    assert (out.prefix_cache_queries, out.prefix_cache_hits) == (9, 8)
+    assert second.page_ids[:2] == first.page_ids[:2]
+    assert [pages.refcounts[p] for p in first.page_ids] == [2, 2, 1]
+    exact = make_request(2, 1, max_tokens=1)
+    exact.prompt_token_ids = list(system)  # all of it cached: the last page is recomputed
+    sched.add(exact)
+    out = engine_step(sched)
+    assert ("r2", 4, 4) in summary(out)
+    assert exact.finish_reason == "length" and first.finish_reason == "length"
+    # first's third page (tokens 1, 2 + two generated) was full and computed: cached.
+    follow_up = make_request(3, 1, max_tokens=1)
+    follow_up.prompt_token_ids = [*first.all_token_ids[:12], 9]
+    while sched.has_unfinished():
+        engine_step(sched)
+    sched.add(follow_up)
+    out = engine_step(sched)
+    assert summary(out) == [("r3", 12, 1)]
+    assert pages.num_free == pages.num_usable and pages.num_used == 0
+    assert pages.cache.num_parked == len(pages.cache) > 0
