@@ -25,7 +25,6 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
 
     cache = os.environ.get("KSANA_TEST_JAX_CACHE", str(Path.home() / ".cache/ksana-jax/jax"))
     monkeypatch.setenv("KSANA_JAX_COMPILATION_CACHE", cache)
-    monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     start = time.perf_counter()
     NotebookClient(
