@@ -378,3 +378,5 @@ def test_prefix_caching_off_has_no_cache(tiny_model):
     llm.generate([OTHER, OTHER], GREEDY, use_tqdm=False)
     assert llm.engine.pages.cache is None
     assert llm.engine.stats.prefix_cache_queries == llm.engine.stats.prefix_cache_hits == 0
+    with pytest.raises(ValueError, match="enable_prefix_caching must be a bool"):
+        LLM(tiny_model, warm_up=False, enable_prefix_caching="false", **BASE)
