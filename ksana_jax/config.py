@@ -292,6 +292,7 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
 
 ATTENTION_BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = (*ENGINE_DTYPES, "float16")
 
 
 def _geometric(low: int, high: int, factor: int) -> tuple[int, ...]:
@@ -315,7 +316,7 @@ class EngineConfig:
     """
 
     dtype: str = "auto"  # parameter dtype; auto = the checkpoint's
-    kv_cache_dtype: str = "auto"  # auto = dtype, but float32 on CPU (see kv_cache.py)
+    kv_cache_dtype: str = "auto"  # auto = dtype, but float16 for bfloat16 on CPU (kv_cache.py)
     max_model_len: int = 2048  # prompt + output tokens of one request
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # KV pages incl. the sink; None = from kv_cache_memory_gib
@@ -334,9 +335,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ENGINE_DTYPES:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype must be one of {ENGINE_DTYPES}, got {self.kv_cache_dtype!r}"
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

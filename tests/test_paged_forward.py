@@ -89,7 +89,7 @@ def test_padding_tokens_never_touch_owned_pages():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_step_donates_kv_and_holds_no_second_copy(dtype):
-    # The KV dtype is what resolve_kv_dtype picks here (float32 on CPU for both).
+    # The KV dtype is what resolve_kv_dtype picks here (on CPU: float32, float16).
     kv_dtype = resolve_kv_dtype("auto", dtype, jax.default_backend())
     spec = KVCacheSpec.for_model(CFG, 2048, 16, kv_dtype)  # KV >> params and activations
     kv = allocate_kv(spec)
