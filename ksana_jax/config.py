@@ -290,7 +290,7 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = (*ENGINE_DTYPES, "float16")
 

@@ -125,7 +125,7 @@ def test_no_compilation_after_warm_up(tiny_model):
     )
     llm = LLM(tiny_model, **(BASE | {"num_pages": 70}))
     warm = compile_count()
-    assert warm >= len(llm.config.bucket_shapes())
+    assert warm >= len(llm.engine.runner.bucket_shapes())
     compiles.clear()
     engine = llm.engine
     rng = np.random.default_rng(0)

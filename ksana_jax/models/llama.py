@@ -157,7 +157,7 @@ def _decoder_layer(
     # Round through the KV dtype so this step attends to exactly what later steps will read.
     k_new, v_new = to_kv_dtype(k_new, kv.dtype), to_kv_dtype(v_new, kv.dtype)
 
-    interpret = backend != "reference" and jax.default_backend() == "cpu"
+    interpret = backend in pallas_kernels.PALLAS_BACKENDS and jax.default_backend() == "cpu"
     write = pallas_kernels.get_layer_kv_writer(backend, interpret)
     kv = write(kv, layer_index, k_new, v_new, inputs.slot_ids)
     attn = pallas_kernels.get_attention(backend, interpret)(
@@ -191,7 +191,7 @@ def forward(
       cfg: static model configuration.
       kv: [L, 2, K, num_pages, page_size, H] paged KV (see kv_cache.py).
       inputs: the step's tokens and page tables (T tokens, S sequences).
-      backend: attention backend, "reference" | "pallas_tpu" | "pallas_gpu" (a Pallas
+      backend: attention backend, "reference" | "xla" | "pallas_tpu" | "pallas_gpu" (a Pallas
         backend on CPU runs in interpret mode: tests only).
     Returns: final-norm hidden states f32[T, D] and the updated kv.
     """
