@@ -166,6 +166,9 @@ class ModelRunner:
             history_ids=history,
             num_prompt_tokens=column([len(r.prompt_token_ids) for r in requests], np.int32, 0),
             suppressed_ids=suppressed,
+            num_logprobs=column(
+                [-1 if p.logprobs is None else p.logprobs for p in params], np.int32, -1
+            ),
         )
 
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
