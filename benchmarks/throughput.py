@@ -22,7 +22,6 @@ import numpy as np
 
 from ksana_jax import LLM, SamplingParams
 from ksana_jax.demo import demo_checkpoint, demo_gguf_path
-from ksana_jax.runner import engine_step
 from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
 
 
@@ -84,12 +83,13 @@ def read_bandwidth() -> float:
 
 
 def decode_step_seconds(llm: LLM, repeats: int = 20) -> float:
-    """Median batch-1 decode step (smallest buckets), the context filling its bucket."""
+    """Median batch-1 decode step (smallest token and row buckets) after a context of the
+    smallest context bucket, through the engine's own jitted step and backend."""
     runner, cfg = llm.engine.runner, llm.config
-    pages = cfg.context_buckets[0] // cfg.page_size
-    position = cfg.context_buckets[0] - 1
+    context = cfg.context_buckets[0]
+    pages = runner.context_buckets[0] // cfg.page_size  # the page-table width runs use
     inputs = build_step_inputs(
-        [SequenceChunk([5], position, range(1, pages + 1))],
+        [SequenceChunk([5], context - 1, range(1, pages + 1))],
         cfg.page_size,
         cfg.token_buckets[0],
         cfg.seq_buckets[0],
@@ -98,10 +98,7 @@ def decode_step_seconds(llm: LLM, repeats: int = 20) -> float:
     sampling = runner._sampling_inputs([], cfg.seq_buckets[0])  # greedy padding rows
 
     def step():
-        out, runner.kv = engine_step(
-            llm.model.params, llm.model.config, runner.kv, inputs, sampling, cfg.max_logprobs
-        )
-        jax.block_until_ready(out)
+        jax.block_until_ready(runner._step(inputs, sampling))
 
     step()
     times = []

@@ -290,8 +290,9 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = (*ENGINE_DTYPES, "float16")
 
 
 def _geometric(low: int, high: int, factor: int) -> tuple[int, ...]:
@@ -321,7 +322,9 @@ class EngineConfig:
 
     dtype: str = _field("auto", "parameter dtype; auto = the checkpoint's", ENGINE_DTYPES)
     kv_cache_dtype: str = _field(
-        "auto", "KV cache dtype; auto = the parameter dtype, but float32 on CPU", ENGINE_DTYPES
+        "auto",
+        "KV cache dtype; auto = the parameter dtype, but float16 for bfloat16 params on CPU",
+        KV_CACHE_DTYPES,
     )
     max_model_len: int = _field(2048, "longest request: prompt + output tokens")
     page_size: int = _field(16, "tokens per KV page")
@@ -343,7 +346,7 @@ class EngineConfig:
     max_logprobs: int = _field(20, "largest top-N logprobs a request may ask for")
     attention_backend: str = _field(
         "auto",
-        "attention kernels; auto = Pallas on TPU/GPU, reference (jnp) on CPU",
+        "attention kernels; auto = Pallas on TPU/GPU, xla (grouped jnp) on CPU",
         ATTENTION_BACKENDS,
     )
     enable_prefix_caching: bool = _field(
@@ -357,9 +360,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ENGINE_DTYPES:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype must be one of {ENGINE_DTYPES}, got {self.kv_cache_dtype!r}"
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

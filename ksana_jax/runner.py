@@ -96,6 +96,11 @@ class ModelRunner:
         )
         self.kv = allocate_kv(self.kv_spec)
         self.backend = resolve_backend(config.attention_backend, jax.default_backend())
+        # The xla backend loops over each sequence's own context, so the page table's width
+        # costs it nothing: one context bucket (the largest) saves compiling the others.
+        self.context_buckets = (
+            config.context_buckets[-1:] if self.backend == "xla" else config.context_buckets
+        )
 
     def _step(self, inputs: StepInputs, sampling: SamplingInputs) -> SampledTokens:
         out, self.kv = engine_step(
@@ -123,7 +128,7 @@ class ModelRunner:
         num_seqs = _bucket(cfg.seq_buckets, len(chunks), "sequences")
         # Attention reads only cached tokens from the pages, so the context bucket covers
         # the longest cached prefix; a fresh prompt's prefill gathers almost nothing.
-        context = _bucket(cfg.context_buckets, max(c.start for c in chunks), "cached tokens")
+        context = _bucket(self.context_buckets, max(c.start for c in chunks), "cached tokens")
         inputs = build_step_inputs(
             [SequenceChunk(c.token_ids, c.start, c.request.page_ids) for c in chunks],
             cfg.page_size,
@@ -161,11 +166,19 @@ class ModelRunner:
             history_ids=history,
             num_prompt_tokens=column([len(r.prompt_token_ids) for r in requests], np.int32, 0),
             suppressed_ids=suppressed,
+            num_logprobs=column(
+                [-1 if p.logprobs is None else p.logprobs for p in params], np.int32, -1
+            ),
         )
+
+    def bucket_shapes(self) -> list[tuple[int, int, int]]:
+        """The (T, S, context) step shapes this runner uses: the config's, with only the
+        context buckets of this backend."""
+        return [shape for shape in self.config.bucket_shapes() if shape[2] in self.context_buckets]
 
     def warm_up(self, progress: bool = True) -> int:
         """Compiles (by running on padding only) every bucket shape; returns how many."""
-        shapes = self.config.bucket_shapes()
+        shapes = self.bucket_shapes()
         for num_tokens, num_seqs, context in tqdm(
             shapes, desc="warm-up", unit="bucket", disable=not progress
         ):

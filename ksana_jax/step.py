@@ -18,14 +18,16 @@ from ksana_jax.models import llama
 from ksana_jax.step_inputs import StepInputs
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("kv",))
 def logits_step(
     params: llama.LlamaParams,
     cfg: ModelConfig,
     kv: jax.Array,
     inputs: StepInputs,
     logits_indices: jax.Array,
+    backend: str = "reference",
 ) -> tuple[jax.Array, jax.Array]:
-    """Forward over the step's T tokens; logits f32[R, V] at token slots logits_indices i32[R]."""
-    hidden, kv = llama.forward(params, cfg, kv, inputs)
+    """Forward over the step's T tokens; logits f32[R, V] at token slots logits_indices i32[R].
+    `backend` is the attention backend (see llama.forward)."""
+    hidden, kv = llama.forward(params, cfg, kv, inputs, backend)
     return llama.logits(params, hidden[logits_indices]), kv

@@ -1,5 +1,5 @@
-"""Engine integration of the Pallas attention backends (interpret mode on CPU): greedy
-tokens from the real SmolLM2 equal the reference backend's."""
+"""Engine integration of the attention backends: greedy tokens from the real SmolLM2 with the
+xla backend and the Pallas ones (interpret mode on CPU) equal the reference backend's."""
 
 from __future__ import annotations
 
@@ -36,6 +36,13 @@ def test_pallas_backend_greedy_equals_reference(smollm2, reference_tokens, backe
     assert [o.outputs[0].token_ids for o in outs] == reference_tokens
 
 
-def test_auto_backend_is_the_reference_on_cpu(smollm2):
+def test_xla_backend_greedy_equals_reference(smollm2, reference_tokens):
+    llm = LLM(smollm2, warm_up=False, attention_backend="xla", **CONFIG)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens
+
+
+def test_auto_backend_is_xla_on_cpu(smollm2):
     llm = LLM(smollm2, warm_up=False, **CONFIG)
-    assert llm.engine.runner.backend == "reference"
+    assert llm.engine.runner.backend == "xla"
+    assert llm.engine.runner.context_buckets == (128,)  # the page-table width costs it nothing

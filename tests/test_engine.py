@@ -125,7 +125,7 @@ def test_no_compilation_after_warm_up(tiny_model):
     )
     llm = LLM(tiny_model, **(BASE | {"num_pages": 70}))
     warm = compile_count()
-    assert warm >= len(llm.config.bucket_shapes())
+    assert warm >= len(llm.engine.runner.bucket_shapes())
     compiles.clear()
     engine = llm.engine
     rng = np.random.default_rng(0)
@@ -265,10 +265,10 @@ def test_stream_and_chat(tiny_model):
     assert chat.prompt_token_ids == llm.tokenizer.encode(template, add_special_tokens=False)
 
 
-def test_bfloat16_engine_keeps_a_float32_kv_on_cpu(tiny_model):
+def test_bfloat16_engine_keeps_a_float16_kv_on_cpu(tiny_model):
     llm = LLM(tiny_model, warm_up=False, dtype="bfloat16", **BASE)
     assert llm.model.dtype == "bfloat16" and tiny_model.dtype == "float32"
-    assert llm.engine.runner.kv.dtype == jax.numpy.float32  # see kv_cache.resolve_kv_dtype
+    assert llm.engine.runner.kv.dtype == jax.numpy.float16  # see kv_cache.resolve_kv_dtype
     out = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [12, 12, 12]
 

@@ -30,7 +30,9 @@ PARAMS = llama.init_params(CFG, seed=3)
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 97, 23)]
 
 
-def run_all_positions(chunks_per_step, page_ids, num_pages=40, pages_per_seq=8, num_tokens=32):
+def run_all_positions(
+    chunks_per_step, page_ids, num_pages=40, pages_per_seq=8, num_tokens=32, backend="reference"
+):
     """Feeds one sequence in the given chunks; returns logits at every prompt position."""
     kv = allocate_kv(KVCacheSpec.for_model(CFG, num_pages, PAGE, "float32"))
     out, start = [], 0
@@ -39,18 +41,20 @@ def run_all_positions(chunks_per_step, page_ids, num_pages=40, pages_per_seq=8, 
         inputs = build_step_inputs(
             [SequenceChunk(chunk, start, page_ids)], PAGE, num_tokens, 1, pages_per_seq
         )
-        logits, kv = logits_step(PARAMS, CFG, kv, inputs, jnp.arange(size, dtype=jnp.int32))
+        indices = jnp.arange(size, dtype=jnp.int32)
+        logits, kv = logits_step(PARAMS, CFG, kv, inputs, indices, backend)
         out.append(np.asarray(logits))
         start += size
     return np.concatenate(out)
 
 
-def test_chunked_prefill_and_shuffled_pages_match_one_prefill():
+@pytest.mark.parametrize("backend", ["reference", "xla"])
+def test_chunked_prefill_and_shuffled_pages_match_one_prefill(backend):
     want = run_all_positions([23], list(range(1, 9)))
     shuffled = [int(p) for p in np.random.default_rng(7).permutation(np.arange(1, 40))[:8]]
     for chunks in ([23], [1] * 23, [4, 4, 4, 4, 7], [3, 5, 1, 9, 5], [16, 7]):
-        got = run_all_positions(chunks, shuffled)
-        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"chunks {chunks}")
+        got = run_all_positions(chunks, shuffled, backend=backend)
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"{backend}, chunks {chunks}")
 
 
 def test_batch_mates_do_not_change_a_sequence():
@@ -87,16 +91,17 @@ def test_padding_tokens_never_touch_owned_pages():
     assert np.all(kv[:, :, :, untouched] == 0)
 
 
+@pytest.mark.parametrize("backend", ["reference", "xla"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_step_donates_kv_and_holds_no_second_copy(dtype):
-    # The KV dtype is what resolve_kv_dtype picks here (float32 on CPU for both).
+def test_step_donates_kv_and_holds_no_second_copy(dtype, backend):
+    # The KV dtype is what resolve_kv_dtype picks here (on CPU: float32, float16).
     kv_dtype = resolve_kv_dtype("auto", dtype, jax.default_backend())
     spec = KVCacheSpec.for_model(CFG, 2048, 16, kv_dtype)  # KV >> params and activations
     kv = allocate_kv(spec)
     params = jax.tree.map(lambda x: x.astype(dtype), PARAMS)
     inputs = build_step_inputs([SequenceChunk(PROMPT, 0, range(1, 3))], 16, 32, 4, 8)
     idx = jnp.zeros(4, jnp.int32)
-    compiled = logits_step.lower(params, CFG, kv, inputs, idx).compile()
+    compiled = logits_step.lower(params, CFG, kv, inputs, idx, backend).compile()
     stats = compiled.memory_analysis()
     assert stats is not None
     # The KV output is aliased to the donated input...

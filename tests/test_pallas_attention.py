@@ -1,4 +1,5 @@
-"""Every Pallas attention kernel, in interpret mode on CPU, equals the jnp oracle.
+"""Every attention kernel equals the jnp oracle: the Pallas ones in interpret mode on CPU, and
+the XLA backend (the CPU path: the oracle's semantics grouped by sequence) compiled.
 
 (The oracle itself is checked on cases worked out by hand in test_reference_attention.py.)
 
@@ -32,7 +33,12 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from ksana_jax import pallas_kernels
-from ksana_jax.pallas_kernels import paged_attention_gpu, ragged_paged_attention_tpu, reference
+from ksana_jax.pallas_kernels import (
+    paged_attention_gpu,
+    ragged_paged_attention_tpu,
+    ragged_paged_attention_xla,
+    reference,
+)
 
 PAGE_SIZE = 16
 NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ = 64, 6, 8  # T, S, P: one bucket for every case
@@ -64,6 +70,10 @@ BACKENDS = {
         ragged_paged_attention_tpu.ragged_paged_attention, pages_per_block=3, interpret=True
     ),
     "pallas_gpu": functools.partial(paged_attention_gpu.ragged_paged_attention, interpret=True),
+    # 32-position chunks: rows span several loop steps; 16-query prefill groups.
+    "xla": functools.partial(
+        ragged_paged_attention_xla.ragged_paged_attention, chunk=32, block_q=16
+    ),
 }
 
 
@@ -176,13 +186,49 @@ def test_kernel_matches_oracle_bf16_kv(backend, num_kv_heads, group, head_dim):
         functools.partial(
             paged_attention_gpu.ragged_paged_attention, num_kv_splits=1, interpret=True
         ),
+        ragged_paged_attention_xla.ragged_paged_attention,
+        # one-page chunks, single-query groups, two groups per loop step (many steps)
+        functools.partial(
+            ragged_paged_attention_xla.ragged_paged_attention,
+            chunk=16,
+            block_q=1,
+            groups_per_block=2,
+        ),
+        functools.partial(ragged_paged_attention_xla.ragged_paged_attention, chunk=128, block_q=64),
     ],
-    ids=["tpu_q32_1page", "tpu_defaults", "tpu_q8_8pages", "gpu_q8_k16_3splits", "gpu_1split"],
+    ids=[
+        "tpu_q32_1page",
+        "tpu_defaults",
+        "tpu_q8_8pages",
+        "gpu_q8_k16_3splits",
+        "gpu_1split",
+        "xla_defaults",
+        "xla_c16_q1_g2",
+        "xla_c128_q64",
+    ],
 )
 def test_other_tuning_matches_oracle(attention):
     for seed, name in enumerate(["mixed", "prefill_chunks"]):
         args = make_batch(SCENARIOS[name], num_kv_heads=2, group=3, head_dim=64, seed=seed)
         check_against_oracle(attention, args, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", BF16_HEADS)
+def test_xla_backend_matches_oracle_float16_kv(num_kv_heads, group, head_dim):
+    """The CPU's KV dtype for bfloat16 models (kv_cache.resolve_kv_dtype)."""
+    for seed, (name, rows) in enumerate(SCENARIOS.items()):
+        args = make_batch(
+            rows,
+            num_kv_heads=num_kv_heads,
+            group=group,
+            head_dim=head_dim,
+            dtype=jnp.float16,
+            seed=seed,
+        )
+        try:
+            check_against_oracle(BACKENDS["xla"], args, atol=BF16_ATOL)
+        except AssertionError as e:
+            raise AssertionError(f"scenario {name!r}: {e}") from None
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -242,7 +288,9 @@ def test_compiled_kernel_matches_oracle_on_device(dtype):
 
 
 @pytest.mark.parametrize(
-    "attention", [BACKENDS["pallas_tpu"], BACKENDS["pallas_gpu"]], ids=["tpu", "gpu"]
+    "attention",
+    [BACKENDS["pallas_tpu"], BACKENDS["pallas_gpu"], BACKENDS["xla"]],
+    ids=["tpu", "gpu", "xla"],
 )
 def test_bad_inputs_raise_clear_errors(attention):
     args = list(make_batch([(3, 2)], num_kv_heads=2, group=3, head_dim=64))
@@ -254,6 +302,12 @@ def test_bad_inputs_raise_clear_errors(attention):
         attention(*args[:6], args[6][:-1], args[7], sm_scale=1.0)
     with pytest.raises(ValueError, match="page_table must be int32"):
         attention(*args[:5], args[5].astype(jnp.int16), *args[6:], sm_scale=1.0)
+
+
+def test_xla_rejects_chunk_off_the_page_size():
+    args = make_batch([(3, 2)], num_kv_heads=2, group=3, head_dim=64)
+    with pytest.raises(ValueError, match="chunk=24 must be a positive multiple of page_size=16"):
+        ragged_paged_attention_xla.ragged_paged_attention(*args, sm_scale=1.0, chunk=24)
 
 
 def test_tpu_rejects_page_size_off_the_mosaic_tiling():
@@ -298,7 +352,7 @@ def test_resolve_backend():
     assert pallas_kernels.resolve_backend("auto", "tpu") == "pallas_tpu"
     assert pallas_kernels.resolve_backend("auto", "gpu") == "pallas_gpu"
     assert pallas_kernels.resolve_backend("auto", "cuda") == "pallas_gpu"
-    assert pallas_kernels.resolve_backend("auto", "cpu") == "reference"
+    assert pallas_kernels.resolve_backend("auto", "cpu") == "xla"
     assert pallas_kernels.resolve_backend("pallas_gpu", "cpu") == "pallas_gpu"
     with pytest.raises(ValueError, match="not one of"):
         pallas_kernels.resolve_backend("flash", "cpu")
@@ -312,6 +366,12 @@ def test_get_attention_and_writer():
         assert pallas_kernels.get_attention("reference") is reference.ragged_paged_attention
         assert pallas_kernels.get_kv_writer("reference") is reference.write_kv_pages
         assert pallas_kernels.get_layer_kv_writer("reference") is reference.write_layer_kv
+        # The xla backend: its own attention, the reference's KV writes, never a warning.
+        assert (
+            pallas_kernels.get_attention("xla") is ragged_paged_attention_xla.ragged_paged_attention
+        )
+        assert pallas_kernels.get_kv_writer("xla") is reference.write_kv_pages
+        assert pallas_kernels.get_layer_kv_writer("xla") is reference.write_layer_kv
     for backend, module in (
         ("pallas_tpu", ragged_paged_attention_tpu),
         ("pallas_gpu", paged_attention_gpu),
@@ -330,13 +390,16 @@ def test_get_attention_and_writer():
         pallas_kernels.get_attention("auto")
 
 
-@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu", "xla"])
 def test_registry_attention_runs_inside_a_layer_scan(backend):
     """The engine calls attention inside lax.scan with a traced layer index."""
     args = make_batch(SCENARIOS["mixed"], num_kv_heads=2, group=3, head_dim=64)
     q, k_new, v_new, kv, _, page_table, seq_lens, query_starts = args
-    with pytest.warns(UserWarning):
-        attention = pallas_kernels.get_attention(backend, interpret=True)
+    if backend == "xla":
+        attention = pallas_kernels.get_attention(backend)
+    else:
+        with pytest.warns(UserWarning):
+            attention = pallas_kernels.get_attention(backend, interpret=True)
 
     def body(layer_index, _):
         out = attention(

@@ -44,6 +44,7 @@ DEFAULTS = dict(
     seeds=0,
     num_generated=0,
     num_prompt_tokens=0,
+    num_logprobs=N_LOGPROBS,
 )
 DTYPES = dict(
     temperature=np.float32,
@@ -56,6 +57,7 @@ DTYPES = dict(
     seeds=np.uint32,
     num_generated=np.int32,
     num_prompt_tokens=np.int32,
+    num_logprobs=np.int32,
 )
 
 

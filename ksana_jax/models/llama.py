@@ -26,6 +26,7 @@ from flax import struct
 
 from ksana_jax import pallas_kernels
 from ksana_jax.config import ModelConfig
+from ksana_jax.kv_cache import to_kv_dtype
 from ksana_jax.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
 from ksana_jax.step_inputs import StepInputs
 
@@ -154,9 +155,9 @@ def _decoder_layer(
     q = apply_rope(q, inputs.positions, inv_freq)
     k_new = apply_rope(k_new, inputs.positions, inv_freq)
     # Round through the KV dtype so this step attends to exactly what later steps will read.
-    k_new, v_new = k_new.astype(kv.dtype), v_new.astype(kv.dtype)
+    k_new, v_new = to_kv_dtype(k_new, kv.dtype), to_kv_dtype(v_new, kv.dtype)
 
-    interpret = backend != "reference" and jax.default_backend() == "cpu"
+    interpret = backend in pallas_kernels.PALLAS_BACKENDS and jax.default_backend() == "cpu"
     write = pallas_kernels.get_layer_kv_writer(backend, interpret)
     kv = write(kv, layer_index, k_new, v_new, inputs.slot_ids)
     attn = pallas_kernels.get_attention(backend, interpret)(
@@ -190,7 +191,7 @@ def forward(
       cfg: static model configuration.
       kv: [L, 2, K, num_pages, page_size, H] paged KV (see kv_cache.py).
       inputs: the step's tokens and page tables (T tokens, S sequences).
-      backend: attention backend, "reference" | "pallas_tpu" | "pallas_gpu" (a Pallas
+      backend: attention backend, "reference" | "xla" | "pallas_tpu" | "pallas_gpu" (a Pallas
         backend on CPU runs in interpret mode: tests only).
     Returns: final-norm hidden states f32[T, D] and the updated kv.
     """

@@ -11,11 +11,13 @@ and the KV writers two (semantics: `reference.write_kv_pages`, `reference.write_
     write(kv [L, 2, K, num_pages, page_size, H], new_kv [L, 2, T, K, H], slot_ids i32[T]) -> kv
     write_layer(kv, layer_index, k_new [T, K, H], v_new [T, K, H], slot_ids i32[T]) -> kv
 
-Backends: "reference" (pure jnp; the oracle and the CPU path), "pallas_tpu"
+Backends: "reference" (pure jnp, one gather of the whole context per token: the oracle),
+"xla" (ragged_paged_attention_xla.py: the same in jnp grouped by sequence, a flash-style
+loop over the context; the CPU path; KV writes are the reference's), "pallas_tpu"
 (ragged_paged_attention_tpu.py, write_kv_pages_tpu.py: Mosaic), "pallas_gpu"
 (paged_attention_gpu.py, write_kv_pages_gpu.py: Triton); attention_args.py checks the
-arguments for every kernel. `resolve_backend("auto", platform)`
-picks the kernel for the platform. Kernel modules are imported on first use, so importing
+arguments for every kernel. `resolve_backend("auto", platform)` picks the backend for the
+platform. Kernel modules are imported on first use, so importing
 this package (the model does, for the reference) does not import Pallas.
 """
 
@@ -30,10 +32,12 @@ import jax
 
 from ksana_jax.pallas_kernels import reference
 
-BACKENDS = ("reference", "pallas_tpu", "pallas_gpu")
-AUTO_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "cpu": "reference"}
+BACKENDS = ("reference", "xla", "pallas_tpu", "pallas_gpu")
+AUTO_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "cpu": "xla"}
+PALLAS_BACKENDS = ("pallas_tpu", "pallas_gpu")  # the ones that need interpret mode on CPU
 
 _ATTENTION_MODULES = {
+    "xla": "ksana_jax.pallas_kernels.ragged_paged_attention_xla",
     "pallas_tpu": "ksana_jax.pallas_kernels.ragged_paged_attention_tpu",
     "pallas_gpu": "ksana_jax.pallas_kernels.paged_attention_gpu",
 }
@@ -49,7 +53,7 @@ LayerKVWriteFn = Callable[..., jax.Array]
 
 def resolve_backend(backend: str, platform: str) -> str:
     """Concrete backend name: "auto" becomes the kernel for `platform` (tpu -> pallas_tpu,
-    gpu/cuda -> pallas_gpu, cpu -> reference); a concrete name is checked and returned."""
+    gpu/cuda -> pallas_gpu, cpu -> xla); a concrete name is checked and returned."""
     if backend == "auto":
         if platform not in AUTO_BACKEND:
             raise ValueError(
@@ -67,9 +71,9 @@ def _kernel_module(backend: str, modules: dict[str, str], interpret: bool):
             f"attention backend {backend!r} is not one of {BACKENDS} "
             '("auto" is resolved first, with resolve_backend(backend, platform))'
         )
-    if backend == "reference":
+    if backend not in modules:  # the reference, or the xla backend's KV writers
         return None
-    if interpret:
+    if interpret and backend in PALLAS_BACKENDS:
         warnings.warn(
             f"attention backend {backend!r} runs in Pallas interpret mode: for testing only, "
             "far slower than the reference backend",
@@ -79,11 +83,13 @@ def _kernel_module(backend: str, modules: dict[str, str], interpret: bool):
 
 
 def get_attention(backend: str, interpret: bool = False) -> AttentionFn:
-    """The attention function of `backend` ("reference" | "pallas_tpu" | "pallas_gpu");
-    `interpret=True` runs a Pallas kernel on CPU (tests only; it warns)."""
+    """The attention function of `backend` ("reference" | "xla" | "pallas_tpu" |
+    "pallas_gpu"); `interpret=True` runs a Pallas kernel on CPU (tests only; it warns)."""
     module = _kernel_module(backend, _ATTENTION_MODULES, interpret)
     if module is None:
         return reference.ragged_paged_attention
+    if backend not in PALLAS_BACKENDS:
+        return module.ragged_paged_attention
     return functools.partial(module.ragged_paged_attention, interpret=interpret)
 
 
