@@ -127,6 +127,13 @@ class LLMEngine:
                 f"max_tokens ({max_tokens}) + prompt ({len(token_ids)} tokens) exceed "
                 f"max_model_len ({self.config.max_model_len})"
             )
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stops:
+            raise ValueError(
+                f"stop_token_ids {bad_stops[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        if params.top_k >= vocab:  # every token: the same as no top-k (and fits in int32)
+            params = dataclasses.replace(params, top_k=0)
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(
                 f"logprobs must be <= max_logprobs ({self.config.max_logprobs}), "

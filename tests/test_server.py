@@ -371,6 +371,7 @@ CHAT_OK = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "w5"}],
         ("/v1/completions", OK | {"min_tokens": 5}, "min_tokens"),
         ("/v1/completions", OK | {"logit_bias": {"5": 1.0}}, "logit_bias"),
         ("/v1/completions", OK | {"best_of": 2}, "best_of"),
+        ("/v1/completions", OK | {"stop_token_ids": [2**40]}, "stop_token_ids"),
         ("/v1/completions", OK | {"frobnicate": 1}, "frobnicate"),
         ("/v1/completions", {"model": MODEL_NAME}, "prompt"),
         ("/v1/completions", OK | {"prompt": [5, "w5"]}, "prompt"),
@@ -418,6 +419,9 @@ def test_other_errors(server):
 
     huge = post(server, "/v1/completions", OK | {"prompt": "w5 " * 2_000_000})
     assert huge.status_code == 413 and huge.json()["error"]["message"]
+
+    # top_k beyond the vocabulary (and beyond int32) means every token.
+    assert post(server, "/v1/completions", OK | {"top_k": 2272561036178}).status_code == 200
 
     # ... and the server still serves.
     assert post(server, "/v1/completions", OK).status_code == 200
