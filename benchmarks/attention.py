@@ -1,6 +1,6 @@
 """Attention backends on realistic shapes: time per call and achieved bytes/s.
 
-For each backend (reference = the jnp oracle through XLA; pallas_tpu; pallas_gpu) and each
+For each backend (reference = the jnp oracle through XLA; xla; pallas_tpu; pallas_gpu) and each
 workload (long-context decode, a prefill chunk, a mixed batch) it times one attention call
 over one layer and divides the bytes attention must read -- every real row's cached K and
 V, plus q, the new K/V and the output -- by the median time, and prints the fraction of
@@ -79,28 +79,30 @@ def bytes_read(rows, num_heads, num_kv_heads, head_dim, dtype) -> int:
     return cached + new + q_and_out
 
 
-def median_seconds(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int, calls: int = 1) -> float:
+    """Median seconds per call of `fn`, each sample `calls` back-to-back calls (on an
+    accelerator a single call can be shorter than its dispatch)."""
     jax.block_until_ready(fn())  # compile and warm up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
+        jax.block_until_ready([fn() for _ in range(calls)])
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
-def copy_bandwidth(repeats: int) -> float:
+def copy_bandwidth(repeats: int, calls: int) -> float:
     """Device memory bandwidth in bytes/s from a large copy (read + write)."""
-    x = jnp.ones((256 * 1024 * 1024 // 4,), jnp.float32)  # 256 MiB
+    x = jnp.ones((1024 * 1024 * 1024 // 4,), jnp.float32)  # 1 GiB, far past any cache
     copy = jax.jit(lambda a: a + 1.0)
-    return 2 * x.nbytes / median_seconds(lambda: copy(x), repeats)
+    return 2 * x.nbytes / median_seconds(lambda: copy(x), repeats, calls)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3_8b")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--backends", default="reference,pallas_tpu,pallas_gpu")
+    parser.add_argument("--backends", default="reference,xla,pallas_tpu,pallas_gpu")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
@@ -114,7 +116,8 @@ def main() -> None:
         f"platform {platform} ({jax.devices()[0].device_kind}), model {args.model} "
         f"({num_heads}/{num_kv_heads} heads x {head_dim}), KV {dtype.name}, page {PAGE_SIZE}"
     )
-    peak = copy_bandwidth(args.repeats)
+    calls = 1 if on_cpu else 20
+    peak = copy_bandwidth(args.repeats, calls)
     print(f"measured copy bandwidth: {peak / 1e9:.1f} GB/s")
     if on_cpu:
         print("CPU: Pallas kernels run in interpret mode -- their times are NOT kernel speed")
@@ -129,7 +132,7 @@ def main() -> None:
         )
         reference_s = None
         for backend in args.backends.split(","):
-            interpret = on_cpu and backend != "reference"
+            interpret = on_cpu and backend in pallas_kernels.PALLAS_BACKENDS
             if backend == "pallas_tpu" and platform not in ("tpu", "cpu"):
                 continue
             if backend == "pallas_gpu" and platform not in ("gpu", "cpu"):
@@ -137,8 +140,10 @@ def main() -> None:
             with warnings.catch_warnings():  # the interpret-mode warning: said above
                 warnings.simplefilter("ignore", UserWarning)
                 attention = pallas_kernels.get_attention(backend, interpret=interpret)
+            # Jitted as the model step does (the reference is a plain function).
+            attention = jax.jit(attention, static_argnames="sm_scale")
             call = functools.partial(attention, *batch, sm_scale=head_dim**-0.5)
-            seconds = median_seconds(call, args.repeats)
+            seconds = median_seconds(call, args.repeats, calls)
             reference_s = seconds if backend == "reference" else reference_s
             line = f"  {backend:11s} {seconds * 1e3:9.3f} ms  {moved / seconds / 1e9:8.2f} GB/s"
             line += f"  {moved / seconds / peak:6.1%} of copy bandwidth"

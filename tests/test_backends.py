@@ -46,3 +46,38 @@ def test_auto_backend_is_xla_on_cpu(smollm2):
     llm = LLM(smollm2, warm_up=False, **CONFIG)
     assert llm.engine.runner.backend == "xla"
     assert llm.engine.runner.context_buckets == (128,)  # the page-table width costs it nothing
+
+
+@pytest.mark.gpu
+@pytest.mark.tpu
+def test_compiled_kernel_backend_greedy_equals_reference(tmp_path):
+    """On a GPU or TPU, the engine with the compiled kernel backend ("auto") generates the
+    reference backend's greedy tokens, on a random model with SmolLM2's attention shape
+    (9 query heads over 3 KV heads of 64) -- the checkpoint cannot travel to the device."""
+    import jax
+
+    import ksana_jax
+    from conftest import write_tiny_hf
+
+    if jax.default_backend() not in ("gpu", "tpu"):
+        pytest.skip(f"needs a TPU or GPU, running on {jax.default_backend()}")
+    write_tiny_hf(
+        tmp_path,
+        hidden_size=576,
+        intermediate_size=256,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        num_hidden_layers=2,
+    )
+    model = ksana_jax.load(tmp_path)
+    tokens = {}
+    with jax.default_matmul_precision("highest"):  # f32 dots on both paths, not TF32
+        for backend in ("reference", "auto"):
+            llm = LLM(model, warm_up=False, attention_backend=backend, **CONFIG)
+            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            tokens[llm.engine.runner.backend] = [o.outputs[0].token_ids for o in outs]
+    assert set(tokens) == {
+        "reference",
+        {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}[jax.default_backend()],
+    }
+    assert len(set(map(str, tokens.values()))) == 1, tokens
