@@ -13,7 +13,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from checkpoints_tools.gguf_source import read_gguf
 from checkpoints_tools.hf import read_hf_dir
 from checkpoints_tools.source import ConversionError, Source
 from ksana_jax import checkpoint
@@ -31,6 +30,9 @@ def read_source(path: str | Path, dtype: str | None = None) -> Source:
     if path.is_dir():
         return read_hf_dir(path, dtype)
     if path.suffix.lower() == ".gguf":
+        # Imported here: loading an HF directory or an orbax checkpoint needs no `gguf`.
+        from checkpoints_tools.gguf_source import read_gguf
+
         return read_gguf(path, dtype or "float32")
     raise ConversionError(f"{path} is neither a Hugging Face checkpoint directory nor a .gguf file")
 

@@ -55,9 +55,9 @@ def test_compiled_kernel_backend_greedy_equals_reference(tmp_path):
     reference backend's greedy tokens, on a random model with SmolLM2's attention shape
     (9 query heads over 3 KV heads of 64) -- the checkpoint cannot travel to the device."""
     import jax
+    from conftest import write_tiny_hf
 
     import ksana_jax
-    from conftest import write_tiny_hf
 
     if jax.default_backend() not in ("gpu", "tpu"):
         pytest.skip(f"needs a TPU or GPU, running on {jax.default_backend()}")

@@ -260,11 +260,17 @@ def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
     return int(np.clip(_next_pow2(max(1, num_tokens // max(1, num_seqs))), lo, hi))
 
 
+TARGET_PROGRAMS = 1024  # ~8 resident programs per SM on a 132-SM H200: enough loads in flight
+MIN_KEYS_PER_SPLIT = 256
+
+
 def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_k: int) -> int:
-    """Key splits so that a decode batch fills a large GPU (~256 programs), at most 16."""
+    """Key splits so that a decode batch keeps every SM streaming: about TARGET_PROGRAMS
+    programs, each still at least MIN_KEYS_PER_SPLIT keys (whole blocks), at most 64."""
     programs = num_seqs * num_kv_heads
-    splits = max(1, min(16, -(-256 // programs)))
-    return max(1, min(splits, -(-max_context // block_k)))
+    splits = min(64, -(-TARGET_PROGRAMS // programs))
+    longest = max(1, max_context // max(MIN_KEYS_PER_SPLIT, block_k))
+    return max(1, min(splits, longest))
 
 
 def _merge_splits(acc, m, denom):

@@ -1,0 +1,96 @@
+"""Tuning sweep of the Pallas GPU attention kernel: time and error of each launch config.
+
+For each workload of benchmarks/attention.py it runs `paged_attention_gpu` over a grid of
+num_kv_splits x block_k x (num_warps, num_stages), checks each output against the jitted
+reference (max abs diff), and prints time, achieved bytes/s and the fraction of measured
+copy bandwidth, fastest first, with the kernel's defaults marked. Needs a GPU.
+
+    python benchmarks/attention_sweep.py [--model llama3_8b] [--workloads decode,long_decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+from attention import MODELS, WORKLOADS, build_batch, bytes_read, copy_bandwidth, median_seconds
+
+from ksana_jax.pallas_kernels import paged_attention_gpu, reference
+
+SPLITS = (None, 1, 4, 8, 16, 32, 64)  # None: the kernel's default
+BLOCK_K = (64, 128)
+LAUNCH = ((4, 2), (4, 3), (8, 3))  # (num_warps, num_stages)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama3_8b")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--workloads", default="decode,long_decode")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--top", type=int, default=8)
+    args = parser.parse_args()
+    if jax.default_backend() != "gpu":
+        raise SystemExit(f"needs a GPU, running on {jax.default_backend()}")
+
+    num_heads, num_kv_heads, head_dim = MODELS[args.model]
+    dtype = jnp.dtype(args.dtype)
+    calls = 20
+    peak = copy_bandwidth(args.repeats, calls)
+    print(f"{args.model} ({num_heads}/{num_kv_heads} x {head_dim}), KV {dtype.name}")
+    print(f"measured copy bandwidth: {peak / 1e9:.1f} GB/s")
+    sm_scale = head_dim**-0.5
+    oracle = jax.jit(reference.ragged_paged_attention, static_argnames="sm_scale")
+    for workload in args.workloads.split(","):
+        rows = WORKLOADS[workload]["device"]
+        batch = build_batch(rows, num_heads, num_kv_heads, head_dim, dtype)
+        moved = bytes_read(rows, num_heads, num_kv_heads, head_dim, dtype)
+        expected = oracle(*batch, sm_scale=sm_scale)
+        ref_s = median_seconds(functools.partial(oracle, *batch, sm_scale=sm_scale), 5, calls)
+        default = paged_attention_gpu.default_num_kv_splits(
+            len(rows), num_kv_heads, batch[5].shape[1] * batch[3].shape[4], 64
+        )
+        print(
+            f"\n{workload}: {len(rows)} rows, {moved / 1e6:.1f} MB; reference "
+            f"{ref_s * 1e3:.3f} ms; default splits {default}"
+        )
+        results: list[tuple] = []
+        for splits, block_k, (warps, stages) in itertools.product(SPLITS, BLOCK_K, LAUNCH):
+            call = functools.partial(
+                paged_attention_gpu.ragged_paged_attention,
+                *batch,
+                sm_scale=sm_scale,
+                block_k=block_k,
+                num_kv_splits=splits,
+                num_warps=warps,
+                num_stages=stages,
+            )
+            try:
+                err = float(jnp.max(jnp.abs(call() - expected)))
+                seconds = median_seconds(call, args.repeats, calls)
+            except Exception as e:  # a config Triton cannot compile: say so, go on
+                print(
+                    f"  splits={splits} block_k={block_k} warps={warps} stages={stages}: {e!r:.120}"
+                )
+                continue
+            results.append((seconds, splits, block_k, warps, stages, err))
+        for seconds, splits, block_k, warps, stages, err in sorted(results, key=lambda r: r[0])[
+            : args.top
+        ]:
+            mark = " <- default" if (splits, block_k, warps, stages) == (None, 64, 4, 2) else ""
+            print(
+                f"  splits={splits!s:4s} block_k={block_k:3d} warps={warps} stages={stages} "
+                f"{seconds * 1e3:7.3f} ms {moved / seconds / 1e9:8.1f} GB/s "
+                f"{moved / seconds / peak:6.1%} {ref_s / seconds:5.2f}x ref  err {err:.1e}{mark}"
+            )
+        defaults = [r for r in results if r[1:5] == (None, 64, 4, 2)]
+        if defaults and defaults[0] not in results[: args.top]:
+            seconds = defaults[0][0]
+            print(f"  default: {seconds * 1e3:.3f} ms {moved / seconds / peak:.1%}")
+
+
+if __name__ == "__main__":
+    main()
