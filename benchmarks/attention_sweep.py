@@ -77,9 +77,8 @@ def main() -> None:
                 )
                 continue
             results.append((seconds, splits, block_k, warps, stages, err))
-        for seconds, splits, block_k, warps, stages, err in sorted(results, key=lambda r: r[0])[
-            : args.top
-        ]:
+        results.sort(key=lambda r: r[0])
+        for seconds, splits, block_k, warps, stages, err in results[: args.top]:
             mark = " <- default" if (splits, block_k, warps, stages) == (None, 64, 4, 2) else ""
             print(
                 f"  splits={splits!s:4s} block_k={block_k:3d} warps={warps} stages={stages} "
