@@ -47,7 +47,11 @@ class LLM:
         if isinstance(model, Model):
             model = model.with_dtype(self.config.dtype)
         else:
-            model = load(resolve_model(str(model)), dtype=self.config.dtype)
+            model = load(
+                resolve_model(str(model)),
+                dtype=self.config.dtype,
+                tensor_parallel_size=self.config.tensor_parallel_size,
+            )
         self.model = model
         self.tokenizer = model.tokenizer
         self.engine = LLMEngine(model, self.config)

@@ -43,7 +43,9 @@ def serve(
     name = served_model_name or (
         "SmolLM2-135M-Instruct" if model == DEMO_NAME else Path(model).name or model
     )
-    loaded = load(resolve_model(model), dtype=config.dtype)
+    loaded = load(
+        resolve_model(model), dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size
+    )
     engine = LLMEngine(loaded, config)
     shapes = len(config.bucket_shapes())
     print(

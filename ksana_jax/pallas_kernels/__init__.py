@@ -17,6 +17,10 @@ Backends: "reference" (pure jnp; the oracle and the CPU path), "pallas_tpu"
 arguments for every kernel. `resolve_backend("auto", platform)`
 picks the kernel for the platform. Kernel modules are imported on first use, so importing
 this package (the model does, for the reference) does not import Pallas.
+
+Under a context mesh (`ShardingPlan.activate`), the Pallas attention and one-layer write run
+per device under `shard_map`, each on its own KV heads (`sharding.shard_over_heads`): XLA
+cannot partition a kernel. The reference is plain jnp, which GSPMD partitions itself.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections.abc import Callable
 import jax
 
 from ksana_jax.pallas_kernels import reference
+from ksana_jax.sharding import shard_over_heads
 
 BACKENDS = ("reference", "pallas_tpu", "pallas_gpu")
 AUTO_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "cpu": "reference"}
@@ -84,7 +89,8 @@ def get_attention(backend: str, interpret: bool = False) -> AttentionFn:
     module = _kernel_module(backend, _ATTENTION_MODULES, interpret)
     if module is None:
         return reference.ragged_paged_attention
-    return functools.partial(module.ragged_paged_attention, interpret=interpret)
+    kernel = functools.partial(module.ragged_paged_attention, interpret=interpret)
+    return shard_over_heads(kernel, "attention")
 
 
 def get_kv_writer(backend: str, interpret: bool = False) -> KVWriteFn:
@@ -102,4 +108,5 @@ def get_layer_kv_writer(backend: str, interpret: bool = False) -> LayerKVWriteFn
     module = _kernel_module(backend, _WRITER_MODULES, interpret)
     if module is None:
         return reference.write_layer_kv
-    return functools.partial(module.write_layer_kv, interpret=interpret)
+    kernel = functools.partial(module.write_layer_kv, interpret=interpret)
+    return shard_over_heads(kernel, "write_layer")
