@@ -8,6 +8,8 @@ first, so a serving workload never compiles.
 
 The params and KV carry the model's ShardingPlan shardings and every step's inputs are
 replicated over its mesh, the same in warm-up and serving, so sharding never recompiles.
+With several processes (multihost.py), process 0's runner sends each step's inputs to the
+others, which run the same step.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from ksana_jax import multihost
 from ksana_jax.config import EngineConfig, ModelConfig
 from ksana_jax.kv_cache import (
     KVCacheSpec,
@@ -106,9 +109,13 @@ class ModelRunner:
         )
         self.kv = allocate_kv(self.kv_spec, self.plan.kv_sharding(self.kv_spec.shape))
         self.backend = resolve_backend(config.attention_backend, jax.default_backend())
+        self.channel = multihost.leader_channel()  # on process 0 of several, else None
 
     def execute(self, inputs: StepInputs, sampling: SamplingInputs) -> SampledTokens:
-        """One jitted step on host inputs, outputs as numpy."""
+        """One jitted step on host inputs, outputs as numpy; with several processes every
+        one runs it with the same inputs (process 0 sends them first, see multihost.py)."""
+        if self.channel is not None:
+            self.channel.send(inputs, sampling)
         inputs, sampling = self.plan.put_replicated((inputs, sampling))
         with self.plan.activate():
             out, self.kv = engine_step(

@@ -220,6 +220,11 @@ def make_plan(
             f"found {len(devices)} ({jax.default_backend()}); on CPU, "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={tp * dp} fakes them"
         )
+    if jax.process_count() > 1 and tp * dp != len(devices):
+        raise ValueError(
+            f"with {jax.process_count()} processes the mesh must span all {len(devices)} "
+            f"devices, but tensor_parallel_size {tp} x data_parallel_size {dp} = {tp * dp}"
+        )
     split = attention_split(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
     model, replica = split or (tp, 1)
     mesh = jax.make_mesh(
