@@ -176,6 +176,8 @@ class ShardingPlan:
         """Host arrays (step inputs) as arrays replicated over the mesh; works multi-process,
         where every process passes the same values."""
         sharding = self.replicated
+        if jax.process_count() == 1:
+            return jax.device_put(tree, sharding)  # one call for the tree: ~10x faster
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree
         )
