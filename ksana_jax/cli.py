@@ -203,6 +203,24 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn log level (default info)",
     )
+    hosts = p.add_argument_group(
+        "multi-host (one process per host; all get the same flags but --process-id)"
+    )
+    hosts.add_argument(
+        "--coordinator-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="process 0's address for jax.distributed.initialize (default: one process)",
+    )
+    hosts.add_argument(
+        "--num-processes", type=int, default=1, help="processes in the mesh (default 1)"
+    )
+    hosts.add_argument(
+        "--process-id",
+        type=int,
+        default=0,
+        help="this process's rank; 0 serves HTTP, the others run its steps (default 0)",
+    )
     add_engine_flags(p)
     p.set_defaults(run=_run_serve)
 
@@ -210,6 +228,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     from server.serve import serve  # the server sits above the engine; imported on demand
 
+    if args.num_processes > 1 or args.coordinator_address:
+        if not args.coordinator_address:
+            raise ValueError("--num-processes > 1 needs --coordinator-address HOST:PORT")
+        from ksana_jax import multihost
+
+        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     serve(
         args.model,
         engine_config_from_args(args),

@@ -332,7 +332,9 @@ class EngineConfig:
         None, "KV pages including the padding sink; unset = from kv_cache_memory_gib"
     )
     kv_cache_memory_gib: float | None = _field(
-        None, "KV budget in GiB; unset = enough for max_num_seqs full-length sequences, <= 2 GiB"
+        None,
+        "KV budget per device in GiB; unset = enough for max_num_seqs full-length sequences, "
+        "<= 2 GiB per device",
     )
     max_num_seqs: int = _field(32, "most sequences (rows) in one step")
     max_num_batched_tokens: int = _field(
@@ -351,6 +353,11 @@ class EngineConfig:
     )
     enable_prefix_caching: bool = _field(
         True, "share the K/V pages of common prompt prefixes across requests"
+    )
+    tensor_parallel_size: int = _field(
+        1,
+        "devices the model is split over: attention by heads, MLP and vocabulary by "
+        "columns/rows (see docs/deploy.md)",
     )
     seed: int = _field(0, "draws the seeds of requests that give none")
     compilation_cache_dir: str | None = _field(
@@ -375,6 +382,7 @@ class EngineConfig:
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_logprobs",
+            "tensor_parallel_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from ksana_jax.kv_cache import KVCacheSpec, allocate_kv
 from ksana_jax.model import Model, bucket
+from ksana_jax.sharding import fetch
 from ksana_jax.step import logits_step
 from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
 
@@ -57,14 +57,8 @@ def generate(
         )
     pages_per_seq = bucket(-(-total // page_size), 1)
     page_ids = range(1, pages_per_seq + 1)
-    kv = allocate_kv(
-        KVCacheSpec.for_model(
-            model.config,
-            pages_per_seq + 1,
-            page_size,
-            model.kv_dtype,
-        )
-    )
+    spec = KVCacheSpec.for_model(model.config, pages_per_seq + 1, page_size, model.kv_dtype)
+    kv = allocate_kv(spec, model.plan.kv_sharding(spec.shape))
     rng = np.random.default_rng(seed)
 
     def run(tokens: Sequence[int], start: int, num_tokens: int):
@@ -72,9 +66,11 @@ def generate(
         inputs = build_step_inputs(
             [SequenceChunk(tokens, start, page_ids)], page_size, num_tokens, 1, pages_per_seq
         )
-        last = jnp.array([len(tokens) - 1], jnp.int32)
-        logits, kv = logits_step(model.params, model.config, kv, inputs, last)
-        return np.asarray(logits[0])
+        last = np.array([len(tokens) - 1], np.int32)
+        inputs, last = model.plan.put_replicated((inputs, last))
+        with model.plan.activate():
+            logits, kv = logits_step(model.params, model.config, kv, inputs, last)
+        return fetch(logits)[0]
 
     for start in range(0, len(prompt_ids), chunk_size):
         logits = run(prompt_ids[start : start + chunk_size], start, chunk_size)

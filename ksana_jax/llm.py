@@ -6,6 +6,7 @@
 
 `LLM` loads the model (anything `ksana_jax.load` accepts, or `demo`), builds the engine from
 EngineConfig fields given as keyword arguments, and compiles every step bucket up front.
+With several processes (multihost.py) process 0 generates and the others call `follow()`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
+from ksana_jax import multihost
 from ksana_jax.config import EngineConfig
 from ksana_jax.demo import resolve_model
 from ksana_jax.engine import LLMEngine
@@ -47,15 +49,32 @@ class LLM:
         if isinstance(model, Model):
             model = model.with_dtype(self.config.dtype)
         else:
-            model = load(resolve_model(str(model)), dtype=self.config.dtype)
+            model = load(
+                resolve_model(str(model)),
+                dtype=self.config.dtype,
+                tensor_parallel_size=self.config.tensor_parallel_size,
+            )
         self.model = model
         self.tokenizer = model.tokenizer
         self.engine = LLMEngine(model, self.config)
         self._ids = itertools.count()
-        if warm_up:
+        if warm_up and not multihost.is_follower():  # followers compile as process 0 steps
             self.engine.warm_up()
 
+    def follow(self) -> int:
+        """On a process other than 0: runs process 0's steps until it calls `close()`."""
+        return multihost.follow(self.engine.runner)
+
+    def close(self) -> None:
+        """On process 0 of several: releases the followers (idempotent; also run at exit)."""
+        if self.engine.runner.channel is not None:
+            self.engine.runner.channel.close()
+
     def _add(self, prompt: Prompt, params: SamplingParams | None) -> str:
+        if multihost.is_follower():
+            raise RuntimeError(
+                f"process {jax.process_index()} follows process 0's steps: call follow()"
+            )
         request_id = f"llm-{next(self._ids)}"
         self.engine.add_request(request_id, prompt, params)
         return request_id

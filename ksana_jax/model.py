@@ -4,6 +4,10 @@ Accepts a converted checkpoint directory, a Hugging Face checkpoint directory or
 (the last two are converted in memory through checkpoints_tools, nothing is written).
 `Model.logits` runs the paged, jitted forward over a fresh KV array, the same path serving
 uses, so it is what tests compare against Hugging Face transformers.
+
+A model lives on the devices of its `ShardingPlan` (sharding.py): `load(path,
+tensor_parallel_size=4)` restores each parameter straight into its shards, and one device is
+the 1 x 1 x 1 mesh of the same code.
 """
 
 from __future__ import annotations
@@ -15,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ksana_jax import checkpoint
+from ksana_jax import checkpoint, sharding
 from ksana_jax.config import ModelConfig
 from ksana_jax.kv_cache import KVCacheSpec, allocate_kv, resolve_kv_dtype
 from ksana_jax.models import llama
@@ -36,12 +39,14 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 @dataclasses.dataclass
 class Model:
-    """A loaded model: config, device params, tokenizer and generation defaults."""
+    """A loaded model: config, device params (sharded as `plan` says), tokenizer and
+    generation defaults."""
 
     config: ModelConfig
     params: llama.LlamaParams
     tokenizer: Tokenizer
     generation_config: dict[str, Any]
+    plan: sharding.ShardingPlan
 
     @property
     def dtype(self) -> str:
@@ -66,10 +71,17 @@ class Model:
         """This model with its parameters cast to `dtype` ("auto" keeps them)."""
         if dtype in ("auto", self.dtype):
             return self
-        params = jax.tree.map(lambda x: x.astype(dtype), self.params)
+        params = self.plan.shard_params(jax.tree.map(lambda x: x.astype(dtype), self.params))
         return dataclasses.replace(
             self, params=params, config=dataclasses.replace(self.config, dtype=dtype)
         )
+
+    def with_tensor_parallel(self, tensor_parallel_size: int) -> Model:
+        """This model split over `tensor_parallel_size` devices (moved shard by shard)."""
+        if tensor_parallel_size == self.plan.tensor_parallel_size:
+            return self
+        plan = sharding.make_plan(self.config, tensor_parallel_size)
+        return dataclasses.replace(self, params=plan.shard_params(self.params), plan=plan)
 
     def logits(self, token_ids: Sequence[int], page_size: int = 16) -> np.ndarray:
         """Logits f32[T, V] at every position of `token_ids`, via one paged prefill."""
@@ -91,22 +103,21 @@ class Model:
             1,
             pages_per_seq,
         )
-        out, _ = logits_step(
-            self.params,
-            self.config,
-            allocate_kv(spec),
-            inputs,
-            jnp.arange(num_tokens, dtype=jnp.int32),
-        )
-        return np.asarray(out[:n])
+        inputs, indices = self.plan.put_replicated((inputs, np.arange(num_tokens, dtype=np.int32)))
+        with self.plan.activate():
+            kv = allocate_kv(spec, self.plan.kv_sharding(spec.shape))
+            out, _ = logits_step(self.params, self.config, kv, inputs, indices)
+        return sharding.fetch(out)[:n]
 
 
-def load(path: str | Path, dtype: str = "auto") -> Model:
+def load(path: str | Path, dtype: str = "auto", tensor_parallel_size: int = 1) -> Model:
     """Loads a checkpoint directory, an HF directory or a GGUF file.
 
     Args:
       path: a directory written by `ksana-jax convert`, an HF checkpoint directory, or .gguf.
       dtype: parameter dtype; "auto" keeps the checkpoint's (float32 for GGUF).
+      tensor_parallel_size: devices to split the model over; a checkpoint directory is
+        restored straight into the shards (no device ever holds a whole copy).
     """
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {DTYPES}")
@@ -114,7 +125,12 @@ def load(path: str | Path, dtype: str = "auto") -> Model:
     if checkpoint.is_checkpoint_dir(path):
         config = checkpoint.read_config(path)
         target = config.dtype if dtype == "auto" else dtype
-        params = checkpoint.load_params(path, config, target)
+        plan = sharding.make_plan(config, tensor_parallel_size)
+        shapes = llama.param_shapes(config)
+        params = checkpoint.load_params(
+            path, config, target, lambda name: plan.param_sharding(name, shapes[name])
+        )
+        params = plan.shard_params(params)  # per-layer slices of the stacked arrays
         tokenizer = Tokenizer.from_dir(path)
         generation_path = path / checkpoint.GENERATION_CONFIG_FILE
         generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
@@ -124,8 +140,9 @@ def load(path: str | Path, dtype: str = "auto") -> Model:
 
         source = read_source(path, None if dtype == "auto" else dtype)
         config, tokenizer = source.config, Tokenizer.from_files(source.tokenizer_files)
-        params = jax.device_put(source.params)
+        plan = sharding.make_plan(config, tensor_parallel_size)
+        params = plan.shard_params(source.params)
         generation = source.generation_config or {}
     if dtype != "auto":
         config = dataclasses.replace(config, dtype=dtype)
-    return Model(config, params, tokenizer, generation)
+    return Model(config, params, tokenizer, generation, plan)

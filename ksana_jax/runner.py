@@ -5,6 +5,11 @@ numpy. The runner owns the params and the KV array; the jitted step (forward + s
 takes the KV donated and returns it, so it is updated in place. Every step is padded to a
 (T tokens, S sequences, context) bucket from EngineConfig; `warm_up` compiles all of them
 first, so a serving workload never compiles.
+
+The params and KV carry the model's ShardingPlan shardings and every step's inputs are
+replicated over its mesh, the same in warm-up and serving, so sharding never recompiles.
+With several processes (multihost.py), process 0's runner sends each step's inputs to the
+others, which run the same step.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from ksana_jax import multihost
 from ksana_jax.config import EngineConfig, ModelConfig
 from ksana_jax.kv_cache import (
     KVCacheSpec,
@@ -29,6 +35,7 @@ from ksana_jax.pallas_kernels import resolve_backend
 from ksana_jax.sampling import SampledTokens, SamplingInputs, sample
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.scheduler import ScheduledChunk
+from ksana_jax.sharding import fetch
 from ksana_jax.step_inputs import SequenceChunk, StepInputs, build_step_inputs
 
 GIB = 1 << 30
@@ -61,15 +68,20 @@ def _bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
     raise ValueError(f"{n} {what} exceed the largest bucket {buckets[-1]}")
 
 
-def resolve_num_pages(config: EngineConfig, model_config: ModelConfig, dtype: str) -> int:
-    """Pages for the KV array: explicit, from the GiB budget, or a bounded default."""
+def resolve_num_pages(
+    config: EngineConfig, model_config: ModelConfig, dtype: str, kv_shards: int = 1
+) -> int:
+    """Pages for the KV array: explicit, from the GiB budget per device (the KV is split
+    over `kv_shards` devices), or a bounded default."""
     if config.num_pages is not None:
         return config.num_pages
     if config.kv_cache_memory_gib is not None:
-        budget = int(config.kv_cache_memory_gib * GIB)
+        budget = int(config.kv_cache_memory_gib * GIB) * kv_shards
     else:
         full = KVCacheSpec.for_model(model_config, 2, config.page_size, dtype).bytes_per_page
-        budget = min(2 * GIB, full * (config.max_num_seqs * config.max_pages_per_seq + 1))
+        budget = min(
+            2 * GIB * kv_shards, full * (config.max_num_seqs * config.max_pages_per_seq + 1)
+        )
     return num_pages_for_budget(model_config, config.page_size, dtype, budget)
 
 
@@ -84,7 +96,8 @@ class ModelRunner:
         self.model = model
         self.config = config
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, model.dtype, jax.default_backend())
-        self.num_pages = resolve_num_pages(config, model.config, kv_dtype)
+        self.plan = model.plan
+        self.num_pages = resolve_num_pages(config, model.config, kv_dtype, self.plan.kv_head_shards)
         if self.num_pages - 1 < config.max_pages_per_seq:
             raise ValueError(
                 f"the KV cache has {self.num_pages - 1} usable pages, fewer than the "
@@ -94,29 +107,36 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.for_model(
             model.config, self.num_pages, config.page_size, kv_dtype
         )
-        self.kv = allocate_kv(self.kv_spec)
+        self.kv = allocate_kv(self.kv_spec, self.plan.kv_sharding(self.kv_spec.shape))
         self.backend = resolve_backend(config.attention_backend, jax.default_backend())
         # The xla backend loops over each sequence's own context, so the page table's width
         # costs it nothing: one context bucket (the largest) saves compiling the others.
         self.context_buckets = (
             config.context_buckets[-1:] if self.backend == "xla" else config.context_buckets
         )
+        self.channel = multihost.leader_channel()  # on process 0 of several, else None
 
-    def _step(self, inputs: StepInputs, sampling: SamplingInputs) -> SampledTokens:
-        out, self.kv = engine_step(
-            self.model.params,
-            self.model.config,
-            self.kv,
-            inputs,
-            sampling,
-            self.config.max_logprobs,
-            self.backend,
-        )
-        return out
+    def execute(self, inputs: StepInputs, sampling: SamplingInputs) -> SampledTokens:
+        """One jitted step on host inputs, outputs as numpy; with several processes every
+        one runs it with the same inputs (process 0 sends them first, see multihost.py)."""
+        if self.channel is not None:
+            self.channel.send(inputs, sampling)
+        inputs, sampling = self.plan.put_replicated((inputs, sampling))
+        with self.plan.activate():
+            out, self.kv = engine_step(
+                self.model.params,
+                self.model.config,
+                self.kv,
+                inputs,
+                sampling,
+                self.config.max_logprobs,
+                self.backend,
+            )
+        return fetch(out)
 
     def run(self, chunks: list[ScheduledChunk]) -> SampledTokens:
         """Runs one step; returns each chunk's sampled token and logprobs (numpy, [rows])."""
-        out = jax.device_get(self._step(*self._prepare(chunks)))
+        out = self.execute(*self._prepare(chunks))
         n = len(chunks)
         return SampledTokens(
             out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n]
@@ -182,11 +202,17 @@ class ModelRunner:
         for num_tokens, num_seqs, context in tqdm(
             shapes, desc="warm-up", unit="bucket", disable=not progress
         ):
-            inputs = build_step_inputs(
-                [], self.config.page_size, num_tokens, num_seqs, context // self.config.page_size
-            )
-            jax.block_until_ready(self._step(inputs, self._sampling_inputs([], num_seqs)))
+            self.execute(*self.padding_inputs(num_tokens, num_seqs, context))
         return len(shapes)
+
+    def padding_inputs(
+        self, num_tokens: int, num_seqs: int, context: int
+    ) -> tuple[StepInputs, SamplingInputs]:
+        """Inputs of a (T, S, context) step holding padding only."""
+        inputs = build_step_inputs(
+            [], self.config.page_size, num_tokens, num_seqs, context // self.config.page_size
+        )
+        return inputs, self._sampling_inputs([], num_seqs)
 
 
 def compile_count() -> int:

@@ -2,6 +2,9 @@
 
 The server listens at once; the engine thread compiles every step bucket first, and
 `/health` answers 503 (completions too, with Retry-After) until it is done.
+
+With several processes (`--num-processes`, see multihost.py) only process 0 serves HTTP; the
+others load their shards of the model and run the steps process 0 sends them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import jax
 import uvicorn
 
+from ksana_jax import multihost
 from ksana_jax.async_engine import AsyncEngine
 from ksana_jax.config import EngineConfig
 from ksana_jax.demo import DEMO_NAME, cache_dir, resolve_model
@@ -43,8 +47,20 @@ def serve(
     name = served_model_name or (
         "SmolLM2-135M-Instruct" if model == DEMO_NAME else Path(model).name or model
     )
-    loaded = load(resolve_model(model), dtype=config.dtype)
+    loaded = load(
+        resolve_model(model), dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size
+    )
     engine = LLMEngine(loaded, config)
+    if multihost.is_follower():
+        print(
+            f"ksana-jax: process {jax.process_index()} of {jax.process_count()} runs the steps "
+            "of process 0, which serves HTTP",
+            file=sys.stderr,
+            flush=True,
+        )
+        multihost.follow(engine.runner)
+        multihost.shutdown()
+        return
     shapes = len(config.bucket_shapes())
     print(
         f"ksana-jax: loaded {name} in {time.perf_counter() - start:.1f}s; compiling {shapes} "
@@ -56,10 +72,20 @@ def serve(
     api_key = api_key or os.environ.get("KSANA_API_KEY")
     app = create_app(async_engine, name, api_key, max_pending_requests)
     app.on_startup.append(lambda: _announce(async_engine, host, port, name, start))
+
+    def stop_engine() -> None:  # idempotent
+        async_engine.shutdown()
+        if engine.runner.channel is not None:
+            engine.runner.channel.close()  # the followers exit
+            multihost.shutdown()  # waits until they have
+
+    # On SIGTERM uvicorn shuts the app down and then re-raises the signal, so the followers
+    # are released from the app's shutdown, not after uvicorn.run returns.
+    app.on_shutdown.append(stop_engine)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
-        async_engine.shutdown()
+        stop_engine()
 
 
 def _announce(engine: AsyncEngine, host: str, port: int, name: str, start: float) -> None:

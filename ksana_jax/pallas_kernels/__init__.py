@@ -19,6 +19,11 @@ loop over the context; the CPU path; KV writes are the reference's), "pallas_tpu
 arguments for every kernel. `resolve_backend("auto", platform)` picks the backend for the
 platform. Kernel modules are imported on first use, so importing
 this package (the model does, for the reference) does not import Pallas.
+
+Under a context mesh (`ShardingPlan.activate`), the Pallas and xla attention and the Pallas
+one-layer write run per device under `shard_map`, each on its own KV heads
+(`sharding.shard_over_heads`): XLA cannot partition a kernel, and the xla backend's
+per-sequence loops partition badly. The reference is plain jnp, which GSPMD partitions itself.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import Callable
 import jax
 
 from ksana_jax.pallas_kernels import reference
+from ksana_jax.sharding import shard_over_heads
 
 BACKENDS = ("reference", "xla", "pallas_tpu", "pallas_gpu")
 AUTO_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "cpu": "xla"}
@@ -88,9 +94,10 @@ def get_attention(backend: str, interpret: bool = False) -> AttentionFn:
     module = _kernel_module(backend, _ATTENTION_MODULES, interpret)
     if module is None:
         return reference.ragged_paged_attention
-    if backend not in PALLAS_BACKENDS:
-        return module.ragged_paged_attention
-    return functools.partial(module.ragged_paged_attention, interpret=interpret)
+    kernel = module.ragged_paged_attention
+    if backend in PALLAS_BACKENDS:
+        kernel = functools.partial(kernel, interpret=interpret)
+    return shard_over_heads(kernel, "attention")
 
 
 def get_kv_writer(backend: str, interpret: bool = False) -> KVWriteFn:
@@ -108,4 +115,5 @@ def get_layer_kv_writer(backend: str, interpret: bool = False) -> LayerKVWriteFn
     module = _kernel_module(backend, _WRITER_MODULES, interpret)
     if module is None:
         return reference.write_layer_kv
-    return functools.partial(module.write_layer_kv, interpret=interpret)
+    kernel = functools.partial(module.write_layer_kv, interpret=interpret)
+    return shard_over_heads(kernel, "write_layer")

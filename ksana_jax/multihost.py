@@ -1,0 +1,114 @@
+"""Several processes (hosts) driving one mesh: process 0 schedules, every process steps.
+
+JAX is multi-controller: each process runs the same jitted step on its own devices' shards
+of the global params and KV, and the step's collectives join them. So every process must
+run the same steps, with the same inputs, in the same order. Process 0 (the leader) owns the
+engine -- scheduler, page manager, tokenizer, HTTP server. Before each step (warm-up steps
+included) its runner sends the step's host inputs through a `StepChannel`: a header
+i32[4] = (STEP, T, S, P) and then the input arrays of that bucket shape, two
+`broadcast_one_to_all` collectives. The other processes (followers) run `follow(runner)`,
+which receives each step and runs it, until the leader sends the STOP header
+(`StepChannel.close`, also run at exit). A follower has nothing to serve: with
+`ksana-jax serve`, only process 0 opens the HTTP port.
+
+    multihost.initialize("10.0.0.1:1234", num_processes=2, process_id=i)   # before any JAX use
+    llm = LLM(model, tensor_parallel_size=jax.device_count())
+    if jax.process_index() == 0:
+        outputs = llm.generate(prompts, params)
+        llm.close()                                      # releases the followers
+    else:
+        llm.follow()                                     # returns when the leader closes
+
+If the leader dies, the followers wait in a collective until JAX's coordination service
+notices (its heartbeat timeout, 100 s by default) and ends them.
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from jax.experimental.multihost_utils import broadcast_one_to_all
+
+STOP, STEP = 0, 1
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """Joins this process to the others (`jax.distributed.initialize`); call before any other
+    JAX call. Process 0 also hosts the coordinator at `coordinator_address` (host:port)."""
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id {process_id} must be in [0, num_processes={num_processes})")
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+
+
+def shutdown() -> None:
+    """Leaves the process group (`jax.distributed.shutdown`, a barrier over all processes);
+    idempotent, and a no-op for one process. A process that exits without it -- the leader
+    killed by a signal -- makes the coordination service end the others with an error."""
+    if jax.process_count() > 1:
+        jax.distributed.shutdown()
+
+
+def is_follower() -> bool:
+    return jax.process_index() != 0
+
+
+class StepChannel:
+    """The leader's end: sends each step's host inputs to every other process."""
+
+    def __init__(self) -> None:
+        self._closed = False
+        atexit.register(self.close)  # followers must not wait forever for a step
+
+    def send(self, inputs: Any, sampling: Any) -> None:
+        """Sends one step (StepInputs, SamplingInputs of numpy arrays) to the followers."""
+        if self._closed:
+            raise RuntimeError("the step channel is closed: the followers have stopped")
+        num_seqs, pages_per_seq = inputs.page_table.shape
+        header = np.array([STEP, inputs.token_ids.shape[0], num_seqs, pages_per_seq], np.int32)
+        broadcast_one_to_all(header)
+        broadcast_one_to_all((inputs, sampling))
+
+    def close(self) -> None:
+        """Tells the followers to stop (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            broadcast_one_to_all(np.array([STOP, 0, 0, 0], np.int32))
+
+
+def leader_channel() -> StepChannel | None:
+    """A StepChannel on process 0 of several; None otherwise."""
+    return StepChannel() if jax.process_count() > 1 and not is_follower() else None
+
+
+class _Runner(Protocol):
+    config: Any
+
+    def padding_inputs(self, num_tokens: int, num_seqs: int, context: int) -> tuple[Any, Any]: ...
+
+    def execute(self, inputs: Any, sampling: Any) -> Any: ...
+
+
+def follow(runner: _Runner) -> int:
+    """Runs the leader's steps on this process until it sends STOP; returns steps run."""
+    if not is_follower():
+        raise RuntimeError("process 0 leads; follow() is for the other processes")
+    steps = 0
+    while True:
+        command, num_tokens, num_seqs, pages_per_seq = broadcast_one_to_all(
+            np.zeros(4, np.int32)
+        ).tolist()
+        if command == STOP:
+            return steps
+        # Same shapes and dtypes as the leader's arrays: padding inputs of that bucket.
+        template = runner.padding_inputs(
+            num_tokens, num_seqs, pages_per_seq * runner.config.page_size
+        )
+        runner.execute(*broadcast_one_to_all(template))
+        steps += 1

@@ -1,0 +1,310 @@
+"""The device mesh and every array's NamedSharding, derived from logical axis names.
+
+In: the tensor-parallel size (`EngineConfig.tensor_parallel_size`), the number of replicas
+(`data_parallel_size`) and the model's head counts. Out: a `ShardingPlan` -- the `Mesh`,
+the sharding of each parameter (by its checkpoint name), of the KV array and of the step's
+inputs (replicated). The jitted step is plain GSPMD: its arguments carry these shardings and
+XLA partitions the computation, adding one all-reduce of f32[T, D] after each row-parallel
+matmul. Only the Pallas kernels, which XLA cannot partition, run under `shard_map`
+(`shard_over_heads`, used by pallas_kernels). One device is the 1 x 1 x 1 mesh of the same
+code.
+
+Mesh axes (tp = model x kv_replica devices hold one copy of the model between them):
+
+    data        replicas; params and KV are replicated along it (size 1 in the engine today)
+    model       devices holding different KV heads
+    kv_replica  devices holding the same KV heads: > 1 only when the model has fewer KV
+                heads than tp (K=2, tp=4: model 2 x kv_replica 2, each device holds one
+                whole KV head and half of that head's query heads)
+
+Logical axes -> mesh axes (Megatron-style; matrices are [in, out]):
+
+    q_heads  N*H   wq, bq column-split; wo row-split (its input)   -> (model, kv_replica)
+    kv_heads K*H   wk, wv, bk, bv column-split; KV pages by head   -> model
+    mlp      F     w_gate, w_up column-split; w_down row-split     -> (model, kv_replica)
+    vocab    V     embed [V, D] and lm_head [D, V] split by vocab  -> (model, kv_replica)
+    embed    D, layers L, pages, ...                               -> never split
+
+Embeddings and the LM head are split by vocabulary, not by model dim: the LM head is then
+column-parallel, each device computes its V/tp logits with no communication, and sampling
+reduces over the vocabulary (max, sums, top-k) on f32[S, V/tp] pieces. Split by D, every
+device would produce partial logits of the full f32[S, V] to all-reduce. The (tied)
+embedding lookup becomes a masked local gather plus one all-reduce of f32[T, D], the same
+cost as a row-parallel matmul.
+
+Attention is split by whole heads when the heads allow it (`attention_split`): K % tp == 0,
+or tp % K == 0 with each KV head's query group divisible by tp / K. Otherwise (SmolLM2's
+9 query / 3 KV heads at tp=2 or 4) attention -- wq, wk, wv, wo and the KV pages -- is
+replicated and every device computes all heads, while the MLP, embeddings and LM head are
+still split. That is exact and keeps the checkpoint's shapes; the alternative, padding the
+heads to a multiple of tp with zero weights (9/3 -> 12/4 at tp=4), would split attention
+too at the cost of 33% more attention FLOPs and a reshaped checkpoint. A dimension that does
+not divide by its mesh axes (a vocabulary of 32001) is replicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ksana_jax.config import ModelConfig
+
+DATA, MODEL, KV_REPLICA = "data", "model", "kv_replica"
+TENSOR = (MODEL, KV_REPLICA)  # the tensor-parallel devices, for column and row splits
+
+# Logical axes of each parameter, by checkpoint name (layers stacked on the first axis).
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "final_norm": ("embed",),
+    "layers.attn_norm": ("layers", "embed"),
+    "layers.mlp_norm": ("layers", "embed"),
+    "layers.wq": ("layers", "embed", "q_heads"),
+    "layers.wk": ("layers", "embed", "kv_heads"),
+    "layers.wv": ("layers", "embed", "kv_heads"),
+    "layers.wo": ("layers", "q_heads", "embed"),
+    "layers.bq": ("layers", "q_heads"),
+    "layers.bk": ("layers", "kv_heads"),
+    "layers.bv": ("layers", "kv_heads"),
+    "layers.bo": ("layers", "embed"),
+    "layers.w_gate": ("layers", "embed", "mlp"),
+    "layers.w_up": ("layers", "embed", "mlp"),
+    "layers.w_down": ("layers", "mlp", "embed"),
+}
+# kv [L, 2, K, num_pages, page_size, H] (kv_cache.py)
+KV_AXES = ("layers", "kv_pair", "kv_heads", "pages", "page_slots", "head_dim")
+
+
+def attention_split(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int] | None:
+    """(model, kv_replica) sizes splitting attention over `tp` devices by whole heads, or
+    None when the heads do not allow it (attention is then replicated).
+
+    Device (i, j) of the two axes holds KV heads [i*K/model, (i+1)*K/model) and query heads
+    [(i*kv_replica + j) * N/tp, ...): always query heads of its own KV heads.
+    """
+    group = num_heads // num_kv_heads
+    if num_kv_heads % tp == 0:
+        return tp, 1
+    if tp % num_kv_heads == 0 and group % (tp // num_kv_heads) == 0:
+        return num_kv_heads, tp // num_kv_heads
+    return None
+
+
+def heads_are_split(mesh: Mesh | jax.sharding.AbstractMesh, num_kv_heads: int) -> bool:
+    """Whether a mesh built by `make_plan` splits attention by heads (else replicates it).
+
+    make_plan's model axis has K / (K / model) = model KV-head groups when attention is split
+    and is tp, which does not divide K, when it is replicated.
+    """
+    model, replica = mesh.shape[MODEL], mesh.shape[KV_REPLICA]
+    return model * replica > 1 and num_kv_heads % model == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """A mesh and the mesh axes of each logical axis; gives every array's NamedSharding."""
+
+    mesh: Mesh
+    rules: dict[str, tuple[str, ...]]  # logical axis -> mesh axes; absent = replicated
+    heads_split: bool  # attention split by heads (else replicated)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.mesh.shape[MODEL] * self.mesh.shape[KV_REPLICA]
+
+    @property
+    def kv_head_shards(self) -> int:
+        """Devices the KV array's heads are divided between (1 when it is replicated)."""
+        return self.mesh.shape[MODEL] if self.heads_split else 1
+
+    def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> P:
+        """PartitionSpec of an array; a dim that its mesh axes do not divide is replicated."""
+        if len(logical_axes) != len(shape):
+            raise ValueError(f"logical axes {logical_axes} do not match shape {shape}")
+        parts = []
+        for name, size in zip(logical_axes, shape, strict=True):
+            axes = self.rules.get(name, ()) if name else ()
+            devices = math.prod(self.mesh.shape[a] for a in axes)
+            split = axes and devices > 1 and size % devices == 0
+            parts.append((axes[0] if len(axes) == 1 else axes) if split else None)
+        while parts and parts[-1] is None:  # the canonical form, as jit returns shardings
+            parts.pop()
+        return P(*parts)
+
+    def sharding(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical_axes, shape))
+
+    def param_sharding(self, name: str, shape: Sequence[int]) -> NamedSharding:
+        """Sharding of the parameter stored under checkpoint name `name` (stacked layers)."""
+        if name not in PARAM_AXES:
+            raise ValueError(f"no logical axes for parameter {name!r}; known: {list(PARAM_AXES)}")
+        return self.sharding(PARAM_AXES[name], shape)
+
+    def kv_sharding(self, shape: Sequence[int]) -> NamedSharding:
+        return self.sharding(KV_AXES, shape)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def param_shardings(self, params: Any) -> Any:
+        """A tree like `params` (LlamaParams, one entry per layer) of each leaf's sharding."""
+
+        def one(path, leaf):
+            name = _flat_name(path)
+            axes = PARAM_AXES[name]
+            if len(leaf.shape) == len(axes) - 1:  # one layer of a stacked parameter
+                axes = axes[1:]
+            return self.sharding(axes, leaf.shape)
+
+        return jax.tree_util.tree_map_with_path(one, params)
+
+    def shard_params(self, params: Any) -> Any:
+        """`params` placed in their shardings (a no-op for arrays already there)."""
+        return jax.device_put(params, self.param_shardings(params))
+
+    def put_replicated(self, tree: Any) -> Any:
+        """Host arrays (step inputs) as arrays replicated over the mesh; works multi-process,
+        where every process passes the same values."""
+        sharding = self.replicated
+        if jax.process_count() == 1:
+            return jax.device_put(tree, sharding)  # one call for the tree: ~10x faster
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), tree
+        )
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[None]:
+        """Makes the mesh the context mesh (shard_map around Pallas kernels reads it)."""
+        with jax.set_mesh(self.mesh):
+            yield
+
+    def describe(self) -> str:
+        shape = " x ".join(f"{k} {v}" for k, v in self.mesh.shape.items())
+        if self.mesh.size == 1:
+            return f"mesh ({shape}): one device"
+        attention = "split by heads" if self.heads_split else "replicated (heads do not divide)"
+        return f"mesh ({shape}) over {self.mesh.size} devices; attention {attention}"
+
+
+def _flat_name(path: tuple) -> str:
+    """Checkpoint name of a LlamaParams leaf: "embed", "layers.wq" (any layer index)."""
+    names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+    return ".".join(names)
+
+
+def make_plan(
+    cfg: ModelConfig,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+) -> ShardingPlan:
+    """The mesh and sharding rules for `cfg` on the first tp * dp devices (all processes').
+
+    Raises ValueError when fewer devices exist than requested.
+    """
+    tp, dp = tensor_parallel_size, data_parallel_size
+    if tp < 1 or dp < 1:
+        raise ValueError(f"tensor_parallel_size ({tp}) and data_parallel_size ({dp}) must be >= 1")
+    devices = list(jax.devices() if devices is None else devices)
+    if tp * dp > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size {tp} x data_parallel_size {dp} needs {tp * dp} devices, "
+            f"found {len(devices)} ({jax.default_backend()}); on CPU, "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={tp * dp} fakes them"
+        )
+    if jax.process_count() > 1 and tp * dp != len(devices):
+        raise ValueError(
+            f"with {jax.process_count()} processes the mesh must span all {len(devices)} "
+            f"devices, but tensor_parallel_size {tp} x data_parallel_size {dp} = {tp * dp}"
+        )
+    split = attention_split(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+    model, replica = split or (tp, 1)
+    mesh = jax.make_mesh(
+        (dp, model, replica),
+        (DATA, MODEL, KV_REPLICA),
+        axis_types=(AxisType.Auto,) * 3,
+        devices=devices[: tp * dp],
+    )
+    rules = {"vocab": TENSOR, "mlp": TENSOR}
+    if split is not None and tp > 1:
+        rules |= {"q_heads": TENSOR, "kv_heads": (MODEL,)}
+    return ShardingPlan(mesh, rules, heads_split=split is not None and tp > 1)
+
+
+def bytes_per_device(tree: Any) -> dict[jax.Device, int]:
+    """Bytes each device holds of the arrays in `tree` (its addressable shards)."""
+    out: dict[jax.Device, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
+
+
+def fetch(tree: Any) -> Any:
+    """Device arrays -> numpy, from any process: a replicated array is read from a local
+    shard; one split across processes is all-gathered (a collective every process runs)."""
+
+    def one(x: jax.Array) -> np.ndarray:
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        if x.sharding.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return multihost_utils.process_allgather(x, tiled=True)
+
+    return jax.tree.map(one, tree)
+
+
+def shard_over_heads(fn: Callable[..., jax.Array], kind: str) -> Callable[..., jax.Array]:
+    """`fn` -- a Pallas attention (kind "attention") or one-layer KV write ("write_layer"),
+    with the signatures in pallas_kernels -- run per device under `shard_map` over the
+    context mesh; without one (or on one device), `fn` itself.
+
+    Each device runs the kernel on its own heads: q [T, N/tp, H], k_new/v_new [T, K/model, H]
+    and its shard of the KV array; when attention is replicated it runs on all heads.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or MODEL not in mesh.shape or mesh.size == 1:
+        return fn
+
+    def specs(num_kv_heads: int) -> tuple[P, P, P]:
+        split = heads_are_split(mesh, num_kv_heads)
+        q_axes, kv_axes = (TENSOR, MODEL) if split else (None, None)
+        # q [T, N, H]; k_new, v_new [T, K, H]; kv [L, 2, K, num_pages, page_size, H]
+        return P(None, q_axes, None), P(None, kv_axes, None), P(None, None, kv_axes)
+
+    def attention(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts, **kw):
+        q_spec, heads, kv_spec = specs(kv.shape[2])
+        local = jax.shard_map(
+            lambda *args: fn(*args, **kw),
+            mesh=mesh,
+            in_specs=(q_spec, heads, heads, kv_spec, P(), P(), P(), P()),
+            out_specs=q_spec,
+            check_vma=False,
+        )
+        return local(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
+
+    def write_layer(kv, layer_index, k_new, v_new, slot_ids):
+        _, heads, kv_spec = specs(kv.shape[2])
+        local = jax.shard_map(
+            fn,
+            mesh=mesh,
+            in_specs=(kv_spec, P(), heads, heads, P()),
+            out_specs=kv_spec,
+            check_vma=False,
+        )
+        return local(kv, layer_index, k_new, v_new, slot_ids)
+
+    wrappers = {"attention": attention, "write_layer": write_layer}
+    if kind not in wrappers:
+        raise ValueError(f"kind must be one of {list(wrappers)}, got {kind!r}")
+    return wrappers[kind]

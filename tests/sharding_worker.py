@@ -1,0 +1,311 @@
+"""Sharded runs for tests/test_sharding.py, in a process of its own: it needs several CPU
+devices (XLA_FLAGS=--xla_force_host_platform_device_count=N, set before JAX starts) or
+several processes, while the rest of the suite runs on one device.
+
+    python tests/sharding_worker.py SCENARIO CHECKPOINT_DIR [CHECKPOINT_DIR ...]
+        [--devices N] [--coordinator HOST:PORT --num-processes N --process-id I]
+
+Prints one JSON object on its last line of stdout (process 0 only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's ksana_jax
+
+PROMPTS = [[5, 9, 17, 33, 2 + i] * (1 + i) for i in range(4)]
+ENGINE = dict(
+    max_model_len=128,
+    page_size=8,  # the Pallas TPU kernel wants multiples of 8 (float32 KV)
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    token_buckets=(8, 32),
+    seq_buckets=(4,),
+    context_buckets=(32, 128),
+    num_pages=64,
+)
+# Greedy comparisons pad every step to one shape: one compile per engine.
+ONE_SHAPE = ENGINE | {"token_buckets": (32,), "context_buckets": (128,)}
+GREEDY_TOKENS = 10
+
+
+def param_bytes(params) -> dict:
+    """Total parameter bytes, each device's bytes, and the largest device's fraction."""
+    import jax
+
+    from ksana_jax.sharding import bytes_per_device
+
+    per_device = sorted(bytes_per_device(params).values())
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    return {"total": total, "per_device": per_device, "max_fraction": per_device[-1] / total}
+
+
+def shardings_match_plan(model) -> bool:
+    """Every parameter sits in exactly the sharding its logical axes give."""
+    import jax
+
+    wanted = model.plan.param_shardings(model.params)
+    return all(
+        a.sharding.is_equivalent_to(w, a.ndim)
+        for a, w in zip(jax.tree.leaves(model.params), jax.tree.leaves(wanted), strict=True)
+    )
+
+
+def greedy_engine(model, tp: int, backend: str = "reference", prompts=PROMPTS) -> list:
+    from ksana_jax import LLM, SamplingParams
+
+    llm = LLM(model, warm_up=False, tensor_parallel_size=tp, attention_backend=backend, **ONE_SHAPE)
+    params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def scenario_tiny(paths: list[str]) -> dict:
+    """Per tiny checkpoint: tp 1/2/4 restored into shards; logits, engine greedy tokens,
+    Pallas backends (interpret mode) under the mesh."""
+    import numpy as np
+
+    import ksana_jax
+
+    results = {}
+    for path in paths:
+        runs, reference_logits = {}, None
+        for tp in (1, 2, 4):
+            model = ksana_jax.load(path, tensor_parallel_size=tp)
+            logits = model.logits(PROMPTS[3])
+            if reference_logits is None:
+                reference_logits = logits
+            runs[tp] = {
+                "plan": model.plan.describe(),
+                "shardings_match_plan": shardings_match_plan(model),
+                "bytes": param_bytes(model.params),
+                "logits_max_diff": float(np.abs(logits - reference_logits).max()),
+                "tokens": greedy_engine(model, tp),
+            }
+            runs[tp]["logits_max_abs"] = float(np.abs(reference_logits).max())
+            if tp == 4:  # interpret mode compiles slowly: the largest mesh only
+                for backend in ("pallas_tpu", "pallas_gpu"):
+                    runs[tp][backend] = greedy_engine(model, tp, backend, PROMPTS[:2])
+        results[path] = runs
+    return results
+
+
+def scenario_recompile(paths: list[str]) -> dict:
+    """tp=4: warm-up compiles every bucket, then the workload of test_engine.py's
+    test_no_compilation_after_warm_up (sampling variants, n=2, stops, priorities, aborts,
+    preemption) compiles nothing."""
+    import jax
+    import numpy as np
+
+    import ksana_jax
+    from ksana_jax import LLM, SamplingParams
+    from ksana_jax.runner import compile_count
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: (
+            compiles.append(event)
+            if event == "/jax/core/compile/backend_compile_duration"
+            else None
+        )
+    )
+    model = ksana_jax.load(paths[0], tensor_parallel_size=4)
+    llm = LLM(
+        model,
+        tensor_parallel_size=4,
+        max_model_len=256,
+        page_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        context_buckets=(64, 256),
+        num_pages=70,
+    )
+    warm = compile_count()
+    compiles.clear()
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    variants = [
+        SamplingParams(temperature=0, max_tokens=5),
+        SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=9, logprobs=3),
+        SamplingParams(
+            temperature=1.0,
+            top_p=0.5,
+            min_p=0.1,
+            max_tokens=7,
+            repetition_penalty=1.3,
+            frequency_penalty=0.4,
+            logprobs=0,
+        ),
+        SamplingParams(n=2, temperature=0.7, max_tokens=6, stop=["w1"], min_tokens=2),
+    ]
+    for i in range(24):
+        prompt = [int(t) for t in rng.integers(3, 160, int(rng.integers(1, 120)))]
+        engine.add_request(f"r{i}", prompt, variants[i % len(variants)], priority=i % 3)
+        if i % 5 == 4:
+            engine.step()
+            engine.abort_request(f"r{i - 2}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    runner = engine.runner
+    return {
+        "buckets": len(llm.engine.runner.bucket_shapes()),
+        "warm": warm,
+        "after": compile_count(),
+        "compiles_after_warm_up": len(compiles),
+        "preemptions": engine.stats.preemptions,
+        "kv_spec": str(runner.kv.sharding.spec),
+        "kv_matches_plan": runner.kv.sharding == runner.plan.kv_sharding(runner.kv.shape),
+    }
+
+
+def scenario_donation(paths: list[str]) -> dict:
+    """tp=4: the compiled step aliases the donated KV shard and holds no second copy."""
+    import numpy as np
+
+    import ksana_jax
+    from ksana_jax.kv_cache import KVCacheSpec, allocate_kv
+    from ksana_jax.step import logits_step
+    from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
+
+    model = ksana_jax.load(paths[0], tensor_parallel_size=4)
+    plan = model.plan
+    spec = KVCacheSpec.for_model(model.config, 4096, 16, "float32")
+    kv = allocate_kv(spec, plan.kv_sharding(spec.shape))
+    inputs = build_step_inputs([SequenceChunk(PROMPTS[2], 0, range(1, 3))], 16, 32, 4, 8)
+    inputs, idx = plan.put_replicated((inputs, np.zeros(4, np.int32)))
+    shard_bytes = kv.addressable_shards[0].data.nbytes
+    with plan.activate():
+        compiled = logits_step.lower(model.params, model.config, kv, inputs, idx).compile()
+        stats = compiled.memory_analysis()
+        _, new_kv = compiled(model.params, kv, inputs, idx)
+    return {
+        "kv_bytes": spec.nbytes,
+        "kv_shard_bytes": shard_bytes,
+        "alias": stats.alias_size_in_bytes,
+        "temp": stats.temp_size_in_bytes,
+        "extra_output": stats.output_size_in_bytes - stats.alias_size_in_bytes,
+        "donated": kv.is_deleted(),
+        "same_sharding": new_kv.sharding == kv.sharding,
+    }
+
+
+def scenario_smollm2(paths: list[str]) -> dict:
+    """SmolLM2 at tp 1/2/4, restored into shards: bytes per device, greedy tokens, logits."""
+    import numpy as np
+
+    import ksana_jax
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    runs, reference_logits = {}, None
+    for tp in (1, 2, 4):
+        model = ksana_jax.load(paths[0], tensor_parallel_size=tp)
+        ids = [model.tokenizer.encode(p) for p in prompts]
+        logits = model.logits(ids[0])
+        if reference_logits is None:
+            reference_logits = logits
+        tokens = [ksana_jax.generate(model, p, max_tokens=12, stop_token_ids=[]) for p in ids]
+        runs[tp] = {
+            "plan": model.plan.describe(),
+            "shardings_match_plan": shardings_match_plan(model),
+            "bytes": param_bytes(model.params),
+            "logits_max_diff": float(np.abs(logits - reference_logits).max()),
+            "logits_max_abs": float(np.abs(reference_logits).max()),
+            "tokens": tokens,
+        }
+    return runs
+
+
+def scenario_bench(paths: list[str]) -> dict:
+    """Not a test: per-device parameter bytes and engine decode step times at tp 1/2/4
+    (CPU devices share the same cores, so this shows overheads, not speed-ups)."""
+    import ksana_jax
+    from ksana_jax import LLM, SamplingParams
+
+    out = {}
+    for tp in (1, 2, 4):
+        model = ksana_jax.load(paths[0], tensor_parallel_size=tp)
+        llm = LLM(
+            model,
+            warm_up=False,
+            tensor_parallel_size=tp,
+            **(ENGINE | {"max_num_seqs": 8, "seq_buckets": (8,), "token_buckets": (8, 32)}),
+        )
+        times = {}
+        for batch in (1, 8):
+            engine = llm.engine
+            for i in range(batch):
+                prompt = model.tokenizer.encode(f"Story number {i}: once upon a time")
+                engine.add_request(f"b{batch}-{i}", prompt, SamplingParams(max_tokens=24))
+            steps = []
+            while engine.has_unfinished_requests():
+                start = time.perf_counter()
+                engine.step()
+                steps.append(time.perf_counter() - start)
+            decode = sorted(steps[3:])  # after prefill and the first compiles
+            times[f"decode_step_ms_batch{batch}"] = round(1000 * decode[len(decode) // 2], 2)
+        out[tp] = {"plan": model.plan.describe(), "bytes": param_bytes(model.params)} | times
+    return out
+
+
+def scenario_multihost(paths: list[str]) -> dict | None:
+    """One of several processes: tp over all devices, process 0 generates, others follow."""
+    import jax
+
+    import ksana_jax
+    from ksana_jax import LLM, SamplingParams
+
+    model = ksana_jax.load(paths[0], tensor_parallel_size=jax.device_count())
+    llm = LLM(model, tensor_parallel_size=jax.device_count(), **ONE_SHAPE)
+    if jax.process_index() != 0:
+        return {"followed_steps": llm.follow()}
+    params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    llm.close()
+    return {
+        "processes": jax.process_count(),
+        "devices": jax.device_count(),
+        "local_devices": jax.local_device_count(),
+        "plan": model.plan.describe(),
+        "tokens": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario")
+    parser.add_argument("paths", nargs="+")
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--coordinator", default=None)
+    parser.add_argument("--num-processes", type=int, default=1)
+    parser.add_argument("--process-id", type=int, default=0)
+    args = parser.parse_args()
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    warnings.simplefilter("ignore")  # Pallas interpret-mode warnings
+    import jax
+
+    if args.coordinator:
+        from ksana_jax import multihost
+
+        multihost.initialize(args.coordinator, args.num_processes, args.process_id)
+    else:  # as conftest.py does: reruns skip compiling identical steps
+        cache = Path.home() / ".cache" / "ksana-jax" / "jax"
+        jax.config.update(
+            "jax_compilation_cache_dir", os.environ.get("KSANA_TEST_JAX_CACHE", str(cache))
+        )
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if jax.device_count() < 4:
+        sys.exit(f"needs 4 devices, found {jax.devices()}")
+    result = globals()[f"scenario_{args.scenario}"](args.paths)
+    if jax.process_index() == 0:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
