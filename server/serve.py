@@ -61,7 +61,7 @@ def serve(
         multihost.follow(engine.runner)
         multihost.shutdown()
         return
-    shapes = len(config.bucket_shapes())
+    shapes = len(engine.runner.bucket_shapes())
     print(
         f"ksana-jax: loaded {name} in {time.perf_counter() - start:.1f}s; compiling {shapes} "
         f"step shapes before /health turns 200",
