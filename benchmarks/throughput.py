@@ -98,7 +98,7 @@ def decode_step_seconds(llm: LLM, repeats: int = 20) -> float:
     sampling = runner._sampling_inputs([], cfg.seq_buckets[0])  # greedy padding rows
 
     def step():
-        jax.block_until_ready(runner._step(inputs, sampling))
+        jax.block_until_ready(runner.execute(inputs, sampling))
 
     step()
     times = []
