@@ -99,13 +99,13 @@ def scenario_tiny(paths: list[str]) -> dict:
 
 def scenario_recompile(paths: list[str]) -> dict:
     """tp=4: warm-up compiles every bucket, then the workload of test_engine.py's
-    test_no_compilation_after_warm_up (sampling variants, n=2, stops, priorities, aborts,
-    preemption) compiles nothing."""
+    test_no_compilation_after_warm_up (workloads.py: sampling variants, n=2, stops,
+    priorities, aborts, prefix-cache hits, preemption) compiles nothing."""
     import jax
-    import numpy as np
+    from workloads import run_varied_workload
 
     import ksana_jax
-    from ksana_jax import LLM, SamplingParams
+    from ksana_jax import LLM
     from ksana_jax.runner import compile_count
 
     compiles = []
@@ -130,29 +130,7 @@ def scenario_recompile(paths: list[str]) -> dict:
     warm = compile_count()
     compiles.clear()
     engine = llm.engine
-    rng = np.random.default_rng(0)
-    variants = [
-        SamplingParams(temperature=0, max_tokens=5),
-        SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=9, logprobs=3),
-        SamplingParams(
-            temperature=1.0,
-            top_p=0.5,
-            min_p=0.1,
-            max_tokens=7,
-            repetition_penalty=1.3,
-            frequency_penalty=0.4,
-            logprobs=0,
-        ),
-        SamplingParams(n=2, temperature=0.7, max_tokens=6, stop=["w1"], min_tokens=2),
-    ]
-    for i in range(24):
-        prompt = [int(t) for t in rng.integers(3, 160, int(rng.integers(1, 120)))]
-        engine.add_request(f"r{i}", prompt, variants[i % len(variants)], priority=i % 3)
-        if i % 5 == 4:
-            engine.step()
-            engine.abort_request(f"r{i - 2}")
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_varied_workload(engine, vocab=160)
     runner = engine.runner
     return {
         "buckets": len(llm.engine.runner.bucket_shapes()),

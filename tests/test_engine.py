@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import TINY_VOCAB, write_tiny_hf
+from workloads import run_varied_workload
 
 import ksana_jax
 from ksana_jax import LLM, SamplingParams
@@ -128,32 +129,7 @@ def test_no_compilation_after_warm_up(tiny_model):
     assert warm >= len(llm.engine.runner.bucket_shapes())
     compiles.clear()
     engine = llm.engine
-    rng = np.random.default_rng(0)
-    variants = [
-        SamplingParams(temperature=0, max_tokens=5),
-        SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=9, logprobs=3),
-        SamplingParams(
-            temperature=1.0,
-            top_p=0.5,
-            min_p=0.1,
-            max_tokens=7,
-            repetition_penalty=1.3,
-            frequency_penalty=0.4,
-            logprobs=0,
-        ),
-        SamplingParams(n=2, temperature=0.7, max_tokens=6, stop=["w1"], min_tokens=2),
-    ]
-    shared = [int(t) for t in rng.integers(3, TINY_VOCAB, 64)]  # prefix-cache hits too
-    for i in range(24):
-        prompt = [int(t) for t in rng.integers(3, TINY_VOCAB, int(rng.integers(1, 120)))]
-        if i % 3 == 1:
-            prompt = shared[: int(rng.integers(1, 65))] + prompt[:40]
-        engine.add_request(f"r{i}", prompt, variants[i % len(variants)], priority=i % 3)
-        if i % 5 == 4:
-            engine.step()
-            engine.abort_request(f"r{i - 2}")
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_varied_workload(engine, TINY_VOCAB)
     assert engine.stats.preemptions > 0
     assert engine.stats.prefix_cache_hits > 0
     assert compile_count() == warm
