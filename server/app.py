@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -296,8 +297,13 @@ def _event_stream(
             yield _sse(error_body(status, f"the request failed: {e}"))
         yield b"data: [DONE]\n\n"
 
+    body = events()
+    # A body that is never iterated (the client left before the response started) runs no
+    # `finally`: the run is closed -- its requests aborted, its pages freed -- when the
+    # generator is dropped instead (close() is idempotent).
+    weakref.finalize(body, run.close)
     return Stream(
-        events(),
+        body,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

@@ -519,6 +519,35 @@ def test_a_failing_request_fails_alone(inprocess, monkeypatch, caplog):
     assert engine.engine.pages.num_free == engine.engine.pages.num_usable
 
 
+def test_a_stream_never_started_still_frees_its_requests(inprocess):
+    """A client that leaves before the SSE body is first iterated: the body's `finally`
+    never runs, so dropping the body must abort the requests and release the pending slots."""
+    import gc
+
+    from ksana_jax import SamplingParams
+    from server.app import _event_stream, _Run
+
+    engine, http = inprocess
+    assert engine.ready.wait(60)
+    state = http.app.state.server
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def start_and_drop():
+        run = await _Run.start(state, "never-read", ["w5 w6", "w7"], params)
+        assert state.pending == 2
+        _event_stream(run, lambda i, out: [], list)  # built, then dropped unread
+        del run
+        gc.collect()
+
+    http.blocking_portal.call(start_and_drop)  # on the app's event loop, as a handler runs
+    deadline = time.monotonic() + 60
+    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state.pending == 0
+    assert not engine.engine.has_unfinished_requests()
+    assert engine.engine.pages.num_free == engine.engine.pages.num_usable
+
+
 # ---------------------------------------------------------------------------- SmolLM2
 
 SMOL_FLAGS = {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 64}
