@@ -31,7 +31,7 @@ from ksana_jax.kv_cache import (
 )
 from ksana_jax.model import Model
 from ksana_jax.models import llama
-from ksana_jax.pallas_kernels import resolve_backend
+from ksana_jax.pallas_kernels import check_kv_layout, resolve_backend
 from ksana_jax.sampling import SampledTokens, SamplingInputs, sample
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.scheduler import ScheduledChunk
@@ -107,8 +107,9 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.for_model(
             model.config, self.num_pages, config.page_size, kv_dtype
         )
-        self.kv = allocate_kv(self.kv_spec, self.plan.kv_sharding(self.kv_spec.shape))
         self.backend = resolve_backend(config.attention_backend, jax.default_backend())
+        check_kv_layout(self.backend, self.kv_spec.shape, self.kv_spec.dtype)
+        self.kv = allocate_kv(self.kv_spec, self.plan.kv_sharding(self.kv_spec.shape))
         # The xla backend loops over each sequence's own context, so the page table's width
         # costs it nothing: one context bucket (the largest) saves compiling the others.
         self.context_buckets = (

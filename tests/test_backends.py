@@ -81,3 +81,26 @@ def test_compiled_kernel_backend_greedy_equals_reference(tmp_path):
         {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}[jax.default_backend()],
     }
     assert len(set(map(str, tokens.values()))) == 1, tokens
+
+
+@pytest.mark.parametrize(
+    "backend,model_overrides,engine_overrides,message",
+    [
+        # float32 KV: Mosaic tiles 8 rows, so a page of 4 cannot be one DMA tile.
+        ("pallas_tpu", {}, {"page_size": 4}, "page_size=4 must be a multiple of 8"),
+        # head_dim 24 (144 / 6 heads): Triton tensors need a power of two.
+        ("pallas_gpu", {"hidden_size": 144}, {}, "head_dim=24 must be a power of two"),
+    ],
+)
+def test_pallas_backend_rejects_a_model_it_cannot_run_before_compiling(
+    tmp_path, backend, model_overrides, engine_overrides, message
+):
+    from conftest import write_tiny_hf
+
+    import ksana_jax
+
+    write_tiny_hf(tmp_path, **model_overrides)
+    model = ksana_jax.load(tmp_path)
+    with pytest.raises(ValueError, match=f"attention_backend='{backend}'.*{message}"):
+        LLM(model, warm_up=False, attention_backend=backend, max_model_len=64, **engine_overrides)
+    LLM(model, warm_up=False, attention_backend="xla", max_model_len=64, **engine_overrides)

@@ -71,6 +71,28 @@ def resolve_backend(backend: str, platform: str) -> str:
     return backend
 
 
+def check_kv_layout(backend: str, shape: tuple[int, ...], dtype) -> None:
+    """Raises ValueError naming the field if `backend`'s kernels cannot read a KV array of
+    this shape [L, 2, K, num_pages, page_size, H] and dtype (Mosaic's tiling rules for
+    pallas_tpu, a power-of-two head_dim for pallas_gpu) -- before anything compiles. The
+    jnp backends read any layout."""
+    if backend not in PALLAS_BACKENDS:
+        return
+    module = importlib.import_module(_ATTENTION_MODULES[backend])
+    num_layers, _, num_kv_heads, num_pages, page_size, head_dim = shape
+    try:
+        module.kv_layout(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            num_pages=num_pages,
+            page_size=page_size,
+            head_dim=head_dim,
+            dtype=dtype,
+        )
+    except ValueError as e:
+        raise ValueError(f"attention_backend={backend!r} cannot run this model: {e}") from None
+
+
 def _kernel_module(backend: str, modules: dict[str, str], interpret: bool):
     if backend not in BACKENDS:
         raise ValueError(
