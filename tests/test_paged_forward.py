@@ -91,16 +91,20 @@ def test_padding_tokens_never_touch_owned_pages():
     assert np.all(kv[:, :, :, untouched] == 0)
 
 
+# A one-token step too: XLA rewrites a one-row scatter as a dynamic-update-slice, which used
+# to make copy insertion copy the whole KV around every layer's attention loops.
+@pytest.mark.parametrize("num_tokens,num_rows", [(32, 4), (1, 1)])
 @pytest.mark.parametrize("backend", ["reference", "xla"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_step_donates_kv_and_holds_no_second_copy(dtype, backend):
+def test_step_donates_kv_and_holds_no_second_copy(dtype, backend, num_tokens, num_rows):
     # The KV dtype is what resolve_kv_dtype picks here (on CPU: float32, float16).
     kv_dtype = resolve_kv_dtype("auto", dtype, jax.default_backend())
     spec = KVCacheSpec.for_model(CFG, 2048, 16, kv_dtype)  # KV >> params and activations
     kv = allocate_kv(spec)
     params = jax.tree.map(lambda x: x.astype(dtype), PARAMS)
-    inputs = build_step_inputs([SequenceChunk(PROMPT, 0, range(1, 3))], 16, 32, 4, 8)
-    idx = jnp.zeros(4, jnp.int32)
+    chunk = SequenceChunk(PROMPT[:num_tokens], 0, range(1, 3))
+    inputs = build_step_inputs([chunk], 16, num_tokens, num_rows, 8)
+    idx = jnp.zeros(num_rows, jnp.int32)
     compiled = logits_step.lower(params, CFG, kv, inputs, idx, backend).compile()
     stats = compiled.memory_analysis()
     assert stats is not None
