@@ -26,8 +26,8 @@ def _scatter_slots(kv: jax.Array, index: tuple, new: jax.Array) -> jax.Array:
 
 
 def _two_rows_at_least(slot_ids: jax.Array, new: jax.Array, axis: int):
-    """A one-row write, padded with a zero row into slot 0 (the padding-sink page's, which
-    holds nothing anyone reads). XLA turns a one-row scatter into a dynamic-update-slice,
+    """A one-row write, padded with a zero row into slot 0 (on page 0, kv_cache.SINK_PAGE,
+    which holds nothing anyone reads). XLA turns a one-row scatter into a dynamic-update-slice,
     and copy insertion then copies the whole KV around the attention loops that read it:
     measured 15-19 s per step with SmolLM2's default KV, against 0.1 s at two rows."""
     if slot_ids.shape[0] != 1:
@@ -44,7 +44,8 @@ def write_kv_pages(kv: jax.Array, new_kv: jax.Array, slot_ids: jax.Array) -> jax
       kv: [L, 2, K, num_pages, page_size, H] the paged KV array.
       new_kv: [L, 2, T, K, H] each layer's new keys (index 0) and values (index 1).
       slot_ids: i32[T] flat slot (page * page_size + offset) of each row.
-    Returns: kv with exactly those T slots of every layer overwritten.
+    Returns: kv with exactly those T slots of every layer overwritten (a one-row write also
+      zeroes slot 0, on the padding-sink page: see `_two_rows_at_least`).
     """
     slot_ids, new_kv = _two_rows_at_least(slot_ids, new_kv, axis=2)
     return _scatter_slots(
