@@ -88,7 +88,16 @@ def _admit(state: ServerState, body: s._Sampling, num_prompts: int) -> None:
     for name in s.UNSUPPORTED_FIELDS:
         if getattr(body, name) is not None:
             raise APIError(400, f"{name} is not supported by ksana-jax", param=name)
-    if state.pending + num_prompts * body.n > state.max_pending_requests:
+    wanted = num_prompts * body.n
+    if wanted > state.max_pending_requests:  # could never be admitted: the client's error
+        raise APIError(
+            400,
+            f"this request asks for {wanted} sequences ({num_prompts} prompt(s) x n={body.n}); "
+            f"this server runs at most {state.max_pending_requests} at once "
+            "(--max-pending-requests)",
+            param="n" if body.n > 1 else "prompt",
+        )
+    if state.pending + wanted > state.max_pending_requests:
         raise APIError(
             503,
             f"too many requests in flight ({state.pending}); try again shortly",
@@ -279,6 +288,13 @@ def _sse(data: Any) -> bytes:
     return b"data: " + (data if isinstance(data, bytes) else msgspec.json.encode(data)) + b"\n\n"
 
 
+class _EventStream(Stream):
+    """A Stream whose own media type wins: Litestar lets the route's (JSON) override it."""
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        return super().to_asgi_response(*args, **(kwargs | {"media_type": self.media_type}))
+
+
 def _event_stream(
     run: _Run, chunks: Callable[[int, RequestOutput], list[Any]], final: Callable[[], list[Any]]
 ) -> Stream:
@@ -302,7 +318,7 @@ def _event_stream(
     # `finally`: the run is closed -- its requests aborted, its pages freed -- when the
     # generator is dropped instead (close() is idempotent).
     weakref.finalize(body, run.close)
-    return Stream(
+    return _EventStream(
         body,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},

@@ -328,6 +328,7 @@ def test_disconnects_abort_and_free_pages(server):
             "POST", f"{server}/v1/completions", json=body | {"seed": i}, headers=headers
         ) as response:
             assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     aborted += 1
@@ -414,8 +415,12 @@ def test_other_errors(server):
         )
     assert httpx.get(f"{server}/v1/models").status_code == 401
 
-    crowd = post(server, "/v1/completions", OK | {"prompt": ["w5"] * (MAX_PENDING + 1)})
-    assert crowd.status_code == 503 and crowd.headers["retry-after"]
+    # More sequences than the server ever runs at once: the request's own fault (400).
+    for too_many in ({"prompt": ["w5"] * (MAX_PENDING + 1)}, {"n": MAX_PENDING + 1}):
+        refused = post(server, "/v1/completions", OK | too_many)
+        assert refused.status_code == 400, refused.text
+        assert str(MAX_PENDING) in refused.json()["error"]["message"]
+        assert refused.json()["error"]["param"] == ("n" if "n" in too_many else "prompt")
 
     huge = post(server, "/v1/completions", OK | {"prompt": "w5 " * 2_000_000})
     assert huge.status_code == 413 and huge.json()["error"]["message"]
@@ -491,6 +496,22 @@ def test_health_and_requests_wait_for_warm_up(inprocess):
     assert "warming up" in busy.json()["error"]["message"]
     engine.ready.set()
     assert http.get("/health").status_code == 200
+    assert http.post("/v1/completions", json=OK).status_code == 200
+
+
+def test_a_full_server_answers_503_with_retry_after(inprocess):
+    """A request that fits, arriving while the pending sequences are at the limit, is told
+    to retry; once they drain it is served."""
+    engine, http = inprocess
+    assert engine.ready.wait(60)
+    state = http.app.state.server
+    state.pending = state.max_pending_requests  # as with that many sequences in flight
+    try:
+        busy = http.post("/v1/completions", json=OK)
+        assert busy.status_code == 503 and busy.headers["retry-after"]
+        assert "too many requests in flight" in busy.json()["error"]["message"]
+    finally:
+        state.pending = 0
     assert http.post("/v1/completions", json=OK).status_code == 200
 
 
