@@ -101,21 +101,13 @@ def scenario_recompile(paths: list[str]) -> dict:
     """tp=4: warm-up compiles every bucket, then the workload of test_engine.py's
     test_no_compilation_after_warm_up (workloads.py: sampling variants, n=2, stops,
     priorities, aborts, prefix-cache hits, preemption) compiles nothing."""
-    import jax
-    from workloads import run_varied_workload
+    from workloads import record_compilations, run_varied_workload
 
     import ksana_jax
     from ksana_jax import LLM
     from ksana_jax.runner import compile_count
 
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: (
-            compiles.append(event)
-            if event == "/jax/core/compile/backend_compile_duration"
-            else None
-        )
-    )
+    compiles = record_compilations()
     model = ksana_jax.load(paths[0], tensor_parallel_size=4)
     llm = LLM(
         model,

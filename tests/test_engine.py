@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import TINY_VOCAB, write_tiny_hf
-from workloads import run_varied_workload
+from workloads import record_compilations, run_varied_workload
 
 import ksana_jax
 from ksana_jax import LLM, SamplingParams
@@ -116,14 +116,7 @@ def test_n_samples_use_consecutive_seeds(tiny_model):
 
 
 def test_no_compilation_after_warm_up(tiny_model):
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: (
-            compiles.append(event)
-            if event == "/jax/core/compile/backend_compile_duration"
-            else None
-        )
-    )
+    compiles = record_compilations()
     llm = LLM(tiny_model, **(BASE | {"num_pages": 70}))
     warm = compile_count()
     assert warm >= len(llm.engine.runner.bucket_shapes())

@@ -3,6 +3,7 @@ device, and tests/sharding_worker.py under tensor parallelism."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from ksana_jax import SamplingParams
@@ -41,3 +42,16 @@ def run_varied_workload(engine, vocab: int, seed: int = 0) -> None:
             engine.abort_request(f"r{i - 2}")
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def record_compilations() -> list[str]:
+    """A list that from now on gets one entry per XLA backend compilation (jax.monitoring)."""
+    compiles: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: (
+            compiles.append(event)
+            if event == "/jax/core/compile/backend_compile_duration"
+            else None
+        )
+    )
+    return compiles
