@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_server import free_port
+from tests.servers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,17 +49,7 @@ def test_readme_first_command_in_a_fresh_clone(tmp_path):
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = start + 1500
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail(f"no healthy server after 1500 s: {log.read_text()[-3000:]}")
+        wait_healthy(url, proc, start + 1500 - time.monotonic(), log.read_text, interval=1)
         healthy = time.monotonic() - start
         body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)

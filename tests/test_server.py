@@ -12,7 +12,6 @@ import collections
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import pytest
 
 from ksana_jax import LLM, SamplingParams
 from tests.conftest import write_tiny_hf
+from tests.servers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "test-key"
@@ -38,12 +38,6 @@ MAX_PENDING = 80
 PROMPTS = ["w5 w6 w7", "w100 w3", "w42 w43 w44 w45 w46 w47 w48 w49 w50", "w9"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_server(
     model: Path | str, *args: str, timeout: float = 600
 ) -> tuple[subprocess.Popen, str]:
@@ -54,23 +48,13 @@ def start_server(
     cmd += ["--compilation-cache-dir", cache, "--log-level", "warning", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    seen_503 = False
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}: {proc.stdout.read().decode()}")
-        try:
-            status = httpx.get(f"{url}/health", timeout=5).status_code
-        except httpx.TransportError:
-            time.sleep(0.2)
-            continue
-        if status == 200:
-            proc.seen_503 = seen_503
-            return proc, url
-        seen_503 |= status == 503
-        time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError(f"server not healthy after {timeout}s: {proc.stdout.read().decode()}")
+
+    def log() -> str:
+        proc.kill()
+        return proc.stdout.read().decode()
+
+    wait_healthy(url, proc, timeout, log, interval=0.2)
+    return proc, url
 
 
 def stop_server(proc: subprocess.Popen) -> str:

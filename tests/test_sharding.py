@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from conftest import write_tiny_hf
+from servers import free_port, wait_healthy
 
 from ksana_jax.config import EngineConfig, ModelConfig
 from ksana_jax.sharding import attention_split, make_plan
@@ -153,15 +152,9 @@ def test_smollm2_tp_1_2_4(smollm2_dir):
     assert runs["4"]["bytes"]["max_fraction"] <= 0.40
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_generate_what_one_does(tiny_dirs, tiny_runs):
     """jax.distributed on 127.0.0.1: 2 processes x 2 CPU devices = one 4-device mesh."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     common = ["--devices", "2", "--coordinator", address, "--num-processes", "2"]
     command = [sys.executable, str(WORKER), "multihost", str(tiny_dirs[8]), *common]
     env = os.environ | {"PYTHONPATH": str(ROOT)}
@@ -216,19 +209,16 @@ def test_two_process_serve_only_process_0_serves_http(tiny_dirs, tmp_path):
 
     from ksana_jax import LLM, SamplingParams
 
-    address, ports = f"127.0.0.1:{_free_port()}", (_free_port(), _free_port())
+    address, ports = f"127.0.0.1:{free_port()}", (free_port(), free_port())
     procs = [_serve(tiny_dirs[8], ports[i], i, address) for i in (1, 0)][::-1]
     url = f"http://127.0.0.1:{ports[0]}"
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            assert procs[0].poll() is None, procs[0].communicate()[0][-4000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+
+        def log() -> str:
+            procs[0].kill()
+            return procs[0].communicate()[0]
+
+        wait_healthy(url, procs[0], 600, log)
         prompt = [5, 9, 17, 33, 4, 5, 9, 17, 33, 4]
         body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
         got = httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()
