@@ -431,11 +431,18 @@ class EngineConfig:
         return self.context_buckets[-1] // self.page_size
 
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (T, S, context) step shape warm-up compiles (S <= T: a row has a token)."""
+        """Every (T, S, context) step shape a step can be padded to, which warm-up compiles.
+
+        A row has at least one token, so S buckets whose fewest rows (one more than the
+        bucket below) exceed T tokens are unreachable; S may still exceed T: 9-16 decode
+        rows with buckets S = (8, 32), T = (16, ...) pad to (16, 32).
+        """
+        below = (0, *self.seq_buckets[:-1])
+        fewest_rows = {s: b + 1 for s, b in zip(self.seq_buckets, below, strict=True)}
         return [
             (t, s, c)
             for t in self.token_buckets
             for s in self.seq_buckets
             for c in self.context_buckets
-            if s <= t
+            if fewest_rows[s] <= t
         ]

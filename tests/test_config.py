@@ -1,11 +1,12 @@
-"""ModelConfig from HF config.json layouts and GGUF metadata; clear errors for the rest."""
+"""ModelConfig from HF config.json layouts and GGUF metadata; clear errors for the rest;
+EngineConfig's step shapes."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ksana_jax.config import ModelConfig, RopeScaling
+from ksana_jax.config import EngineConfig, ModelConfig, RopeScaling
 from ksana_jax.models.layers import rope_inv_freq
 
 LLAMA2 = {
@@ -190,3 +191,31 @@ def test_gguf_metadata():
 def test_gguf_unsupported(change, tensors, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_gguf_metadata(GGUF | change, tensors)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"max_num_seqs": 64, "max_num_batched_tokens": 512},
+        {"token_buckets": (1, 16, 256), "seq_buckets": (8, 32)},
+        {"max_num_seqs": 3, "max_num_batched_tokens": 40, "token_buckets": (2, 7, 40)},
+    ],
+)
+def test_bucket_shapes_are_exactly_the_reachable_step_shapes(fields):
+    """Every (rows, tokens) a step can hold -- r rows of at least one token each, r <=
+    max_num_seqs, r <= n <= max_num_batched_tokens -- pads to a warmed-up shape, and every
+    warmed-up shape is reached by some step (a missing one compiles while serving)."""
+    cfg = EngineConfig(**fields)
+
+    def pad(buckets, n):
+        return min(b for b in buckets if b >= n)
+
+    reachable = {
+        (pad(cfg.token_buckets, n), pad(cfg.seq_buckets, r))
+        for r in range(1, cfg.max_num_seqs + 1)
+        for n in range(r, cfg.max_num_batched_tokens + 1)
+    }
+    shapes = cfg.bucket_shapes()
+    assert {(t, s) for t, s, _ in shapes} == reachable
+    assert len(shapes) == len(reachable) * len(cfg.context_buckets)
