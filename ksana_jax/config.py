@@ -290,7 +290,7 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "xla", "pallas_tpu", "pallas_gpu")
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = (*ENGINE_DTYPES, "float16")
 
@@ -348,7 +348,7 @@ class EngineConfig:
     max_logprobs: int = _field(20, "largest top-N logprobs a request may ask for")
     attention_backend: str = _field(
         "auto",
-        "attention kernels; auto = Pallas on TPU/GPU, xla (grouped jnp) on CPU",
+        "attention kernels; auto = Pallas on TPU/GPU, cpu (C++ kernel) on CPU",
         ATTENTION_BACKENDS,
     )
     enable_prefix_caching: bool = _field(

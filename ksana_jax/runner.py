@@ -31,7 +31,7 @@ from ksana_jax.kv_cache import (
 )
 from ksana_jax.model import Model
 from ksana_jax.models import llama
-from ksana_jax.pallas_kernels import check_kv_layout, resolve_backend
+from ksana_jax.pallas_kernels import LOOPS_OVER_OWN_CONTEXT, check_kv_layout, resolve_backend
 from ksana_jax.sampling import SampledTokens, SamplingInputs, sample
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.scheduler import ScheduledChunk
@@ -110,10 +110,13 @@ class ModelRunner:
         self.backend = resolve_backend(config.attention_backend, jax.default_backend())
         check_kv_layout(self.backend, self.kv_spec.shape, self.kv_spec.dtype)
         self.kv = allocate_kv(self.kv_spec, self.plan.kv_sharding(self.kv_spec.shape))
-        # The xla backend loops over each sequence's own context, so the page table's width
-        # costs it nothing: one context bucket (the largest) saves compiling the others.
+        # The cpu and xla backends loop over each sequence's own context, so the page
+        # table's width costs them nothing: one context bucket (the largest) saves compiling
+        # the others.
         self.context_buckets = (
-            config.context_buckets[-1:] if self.backend == "xla" else config.context_buckets
+            config.context_buckets[-1:]
+            if self.backend in LOOPS_OVER_OWN_CONTEXT
+            else config.context_buckets
         )
         self.channel = multihost.leader_channel()  # on process 0 of several, else None
 

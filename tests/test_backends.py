@@ -1,7 +1,12 @@
 """Engine integration of the attention backends: greedy tokens from the real SmolLM2 with the
-xla backend and the Pallas ones (interpret mode on CPU) equal the reference backend's."""
+cpu and xla backends and the Pallas ones (interpret mode on CPU) equal the reference
+backend's; "auto" picks the cpu kernel here and falls back to xla where it cannot build."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -36,16 +41,39 @@ def test_pallas_backend_greedy_equals_reference(smollm2, reference_tokens, backe
     assert [o.outputs[0].token_ids for o in outs] == reference_tokens
 
 
-def test_xla_backend_greedy_equals_reference(smollm2, reference_tokens):
-    llm = LLM(smollm2, warm_up=False, attention_backend="xla", **CONFIG)
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_cpu_backends_greedy_equal_reference(smollm2, reference_tokens, backend):
+    llm = LLM(smollm2, warm_up=False, attention_backend=backend, **CONFIG)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference_tokens
 
 
-def test_auto_backend_is_xla_on_cpu(smollm2):
+def test_auto_backend_is_the_cpu_kernel_on_cpu(smollm2):
     llm = LLM(smollm2, warm_up=False, **CONFIG)
-    assert llm.engine.runner.backend == "xla"
+    assert llm.engine.runner.backend == "cpu"
     assert llm.engine.runner.context_buckets == (128,)  # the page-table width costs it nothing
+
+
+def test_auto_falls_back_to_xla_without_a_compiler(tmp_path):
+    """A machine that cannot build the cpu kernel still serves: "auto" warns and picks xla."""
+    script = (
+        "import warnings, jax\n"
+        "from ksana_jax.pallas_kernels import ragged_paged_attention_cpu as cpu, resolve_backend\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    backend = resolve_backend('auto', 'cpu')\n"
+        "print(backend, cpu.available(), [str(w.message) for w in caught])\n"
+    )
+    env = {
+        **os.environ,
+        "CXX": str(tmp_path / "no-such-compiler"),
+        "KSANA_JAX_KERNEL_CACHE": str(tmp_path),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.startswith("xla False ["), out
+    assert "could not be built" in out
 
 
 @pytest.mark.gpu

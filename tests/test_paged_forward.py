@@ -48,7 +48,7 @@ def run_all_positions(
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("backend", ["reference", "xla"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "xla"])
 def test_chunked_prefill_and_shuffled_pages_match_one_prefill(backend):
     want = run_all_positions([23], list(range(1, 9)))
     shuffled = [int(p) for p in np.random.default_rng(7).permutation(np.arange(1, 40))[:8]]
@@ -94,7 +94,7 @@ def test_padding_tokens_never_touch_owned_pages():
 # A one-token step too: XLA rewrites a one-row scatter as a dynamic-update-slice, which used
 # to make copy insertion copy the whole KV around every layer's attention loops.
 @pytest.mark.parametrize("num_tokens,num_rows", [(32, 4), (1, 1)])
-@pytest.mark.parametrize("backend", ["reference", "xla"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "xla"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_step_donates_kv_and_holds_no_second_copy(dtype, backend, num_tokens, num_rows):
     # The KV dtype is what resolve_kv_dtype picks here (on CPU: float32, float16).

@@ -1,5 +1,6 @@
 """Every attention kernel equals the jnp oracle: the Pallas ones in interpret mode on CPU, and
-the XLA backend (the CPU path: the oracle's semantics grouped by sequence) compiled.
+the CPU backends -- "cpu" (the C++ kernel, built here) and "xla" (the oracle's semantics
+grouped by sequence) -- compiled.
 
 (The oracle itself is checked on cases worked out by hand in test_reference_attention.py.)
 
@@ -10,15 +11,16 @@ padding rows point at, and the slots of the step's own new tokens (they are pass
 k_new/v_new, not read from the pages). Page tables are shuffled, and their unused
 entries point at random pages.
 
-Matrix (88 kernel-vs-oracle comparisons): 7 scenarios (decode rows at context 1,
+Matrix (188 kernel-vs-oracle comparisons): 7 scenarios (decode rows at context 1,
 page_size - 1, page_size, page_size + 1 and several pages; fresh prefills; chunks starting
 mid-page, on a page boundary and crossing pages; mixed batches; a chunk filling the
 bucket; no padding at all; all padding) x GQA ratios 1, 3, 4, 8 with head dims 64 and 128
-x both kernels in f32 (max abs diff <= 1e-5: 56); bf16 KV on 4 scenarios x 2 head configs
-x 2 kernels (16); other tuning -- key splits, block sizes, pages per block -- (10);
-TPU-semantics interpretation (`pltpu.InterpretParams`: NaN-filled uninitialised VMEM,
-out-of-bounds reads raise, DMAs land only when waited on, race detector on) (4); and
-both kernels inside a lax.scan over layers (2).
+x the four kernels in f32 (max abs diff <= 1e-5: 112); bf16 KV on 4 scenarios x 2 head
+configs x 4 kernels (32); float16 KV (the CPU's for bfloat16 models) on the 7 scenarios x 2
+head configs x the 2 CPU kernels (28); other tuning -- key splits, block sizes, pages per
+block -- (8); TPU-semantics interpretation (`pltpu.InterpretParams`: NaN-filled
+uninitialised VMEM, out-of-bounds reads raise, DMAs land only when waited on, race detector
+on) (4); and the four kernels inside a lax.scan over layers (4).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ksana_jax import pallas_kernels
 from ksana_jax.pallas_kernels import (
     paged_attention_gpu,
+    ragged_paged_attention_cpu,
     ragged_paged_attention_tpu,
     ragged_paged_attention_xla,
     reference,
@@ -70,6 +73,7 @@ BACKENDS = {
         ragged_paged_attention_tpu.ragged_paged_attention, pages_per_block=3, interpret=True
     ),
     "pallas_gpu": functools.partial(paged_attention_gpu.ragged_paged_attention, interpret=True),
+    "cpu": ragged_paged_attention_cpu.ragged_paged_attention,
     # 32-position chunks: rows span several loop steps; 16-query prefill groups.
     "xla": functools.partial(
         ragged_paged_attention_xla.ragged_paged_attention, chunk=32, block_q=16
@@ -214,7 +218,8 @@ def test_other_tuning_matches_oracle(attention):
 
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", BF16_HEADS)
-def test_xla_backend_matches_oracle_float16_kv(num_kv_heads, group, head_dim):
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_cpu_backends_match_oracle_float16_kv(backend, num_kv_heads, group, head_dim):
     """The CPU's KV dtype for bfloat16 models (kv_cache.resolve_kv_dtype)."""
     for seed, (name, rows) in enumerate(SCENARIOS.items()):
         args = make_batch(
@@ -226,7 +231,7 @@ def test_xla_backend_matches_oracle_float16_kv(num_kv_heads, group, head_dim):
             seed=seed,
         )
         try:
-            check_against_oracle(BACKENDS["xla"], args, atol=BF16_ATOL)
+            check_against_oracle(BACKENDS[backend], args, atol=BF16_ATOL)
         except AssertionError as e:
             raise AssertionError(f"scenario {name!r}: {e}") from None
 
@@ -289,8 +294,8 @@ def test_compiled_kernel_matches_oracle_on_device(dtype):
 
 @pytest.mark.parametrize(
     "attention",
-    [BACKENDS["pallas_tpu"], BACKENDS["pallas_gpu"], BACKENDS["xla"]],
-    ids=["tpu", "gpu", "xla"],
+    [BACKENDS["pallas_tpu"], BACKENDS["pallas_gpu"], BACKENDS["cpu"], BACKENDS["xla"]],
+    ids=["tpu", "gpu", "cpu", "xla"],
 )
 def test_bad_inputs_raise_clear_errors(attention):
     args = list(make_batch([(3, 2)], num_kv_heads=2, group=3, head_dim=64))
@@ -352,7 +357,7 @@ def test_resolve_backend():
     assert pallas_kernels.resolve_backend("auto", "tpu") == "pallas_tpu"
     assert pallas_kernels.resolve_backend("auto", "gpu") == "pallas_gpu"
     assert pallas_kernels.resolve_backend("auto", "cuda") == "pallas_gpu"
-    assert pallas_kernels.resolve_backend("auto", "cpu") == "xla"
+    assert pallas_kernels.resolve_backend("auto", "cpu") == "cpu"  # the kernel builds here
     assert pallas_kernels.resolve_backend("pallas_gpu", "cpu") == "pallas_gpu"
     with pytest.raises(ValueError, match="not one of"):
         pallas_kernels.resolve_backend("flash", "cpu")
@@ -366,12 +371,15 @@ def test_get_attention_and_writer():
         assert pallas_kernels.get_attention("reference") is reference.ragged_paged_attention
         assert pallas_kernels.get_kv_writer("reference") is reference.write_kv_pages
         assert pallas_kernels.get_layer_kv_writer("reference") is reference.write_layer_kv
-        # The xla backend: its own attention, the reference's KV writes, never a warning.
-        assert (
-            pallas_kernels.get_attention("xla") is ragged_paged_attention_xla.ragged_paged_attention
-        )
-        assert pallas_kernels.get_kv_writer("xla") is reference.write_kv_pages
-        assert pallas_kernels.get_layer_kv_writer("xla") is reference.write_layer_kv
+        # The cpu and xla backends: their own attention, the reference's KV writes, never a
+        # warning.
+        for backend, module in (
+            ("cpu", ragged_paged_attention_cpu),
+            ("xla", ragged_paged_attention_xla),
+        ):
+            assert pallas_kernels.get_attention(backend) is module.ragged_paged_attention
+            assert pallas_kernels.get_kv_writer(backend) is reference.write_kv_pages
+            assert pallas_kernels.get_layer_kv_writer(backend) is reference.write_layer_kv
     for backend, module in (
         ("pallas_tpu", ragged_paged_attention_tpu),
         ("pallas_gpu", paged_attention_gpu),
@@ -390,12 +398,12 @@ def test_get_attention_and_writer():
         pallas_kernels.get_attention("auto")
 
 
-@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu", "xla"])
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu", "cpu", "xla"])
 def test_registry_attention_runs_inside_a_layer_scan(backend):
     """The engine calls attention inside lax.scan with a traced layer index."""
     args = make_batch(SCENARIOS["mixed"], num_kv_heads=2, group=3, head_dim=64)
     q, k_new, v_new, kv, _, page_table, seq_lens, query_starts = args
-    if backend == "xla":
+    if backend in ("cpu", "xla"):
         attention = pallas_kernels.get_attention(backend)
     else:
         with pytest.warns(UserWarning):

@@ -191,8 +191,8 @@ def forward(
       cfg: static model configuration.
       kv: [L, 2, K, num_pages, page_size, H] paged KV (see kv_cache.py).
       inputs: the step's tokens and page tables (T tokens, S sequences).
-      backend: attention backend, "reference" | "xla" | "pallas_tpu" | "pallas_gpu" (a Pallas
-        backend on CPU runs in interpret mode: tests only).
+      backend: attention backend, "reference" | "cpu" | "xla" | "pallas_tpu" | "pallas_gpu"
+        (a Pallas backend on CPU runs in interpret mode: tests only).
     Returns: final-norm hidden states f32[T, D] and the updated kv.
     """
     x = params.embed[inputs.token_ids].astype(jnp.float32)  # [T, D]

@@ -12,18 +12,22 @@ and the KV writers two (semantics: `reference.write_kv_pages`, `reference.write_
     write_layer(kv, layer_index, k_new [T, K, H], v_new [T, K, H], slot_ids i32[T]) -> kv
 
 Backends: "reference" (pure jnp, one gather of the whole context per token: the oracle),
-"xla" (ragged_paged_attention_xla.py: the same in jnp grouped by sequence, a flash-style
-loop over the context; the CPU path; KV writes are the reference's), "pallas_tpu"
+"cpu" (ragged_paged_attention_cpu.py/.cc: a C++ XLA FFI kernel built at first use; the CPU
+path; KV writes are the reference's), "xla" (ragged_paged_attention_xla.py: the oracle in jnp
+grouped by sequence, a flash-style loop over the context; the CPU path where no C++
+compiler is at hand; the reference's KV writes), "pallas_tpu"
 (ragged_paged_attention_tpu.py, write_kv_pages_tpu.py: Mosaic), "pallas_gpu"
 (paged_attention_gpu.py, write_kv_pages_gpu.py: Triton); attention_args.py checks the
 arguments for every kernel. `resolve_backend("auto", platform)` picks the backend for the
-platform. Kernel modules are imported on first use, so importing
+platform. "cpu" and "xla" loop over each row's own context, so a wide page table costs them
+nothing (`LOOPS_OVER_OWN_CONTEXT`). Kernel modules are imported on first use, so importing
 this package (the model does, for the reference) does not import Pallas.
 
-Under a context mesh (`ShardingPlan.activate`), the Pallas and xla attention and the Pallas
-one-layer write run per device under `shard_map`, each on its own KV heads
-(`sharding.shard_over_heads`): XLA cannot partition a kernel, and the xla backend's
-per-sequence loops partition badly. The reference is plain jnp, which GSPMD partitions itself.
+Under a context mesh (`ShardingPlan.activate`), the Pallas, cpu and xla attention and the
+Pallas one-layer write run per device under `shard_map`, each on its own KV heads
+(`sharding.shard_over_heads`): XLA cannot partition a kernel or a custom call, and the xla
+backend's per-sequence loops partition badly. The reference is plain jnp, which GSPMD
+partitions itself.
 """
 
 from __future__ import annotations
@@ -38,11 +42,13 @@ import jax
 from ksana_jax.pallas_kernels import reference
 from ksana_jax.sharding import shard_over_heads
 
-BACKENDS = ("reference", "xla", "pallas_tpu", "pallas_gpu")
-AUTO_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "cpu": "xla"}
+BACKENDS = ("reference", "cpu", "xla", "pallas_tpu", "pallas_gpu")
+AUTO_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "cpu": "cpu"}
 PALLAS_BACKENDS = ("pallas_tpu", "pallas_gpu")  # the ones that need interpret mode on CPU
+LOOPS_OVER_OWN_CONTEXT = ("cpu", "xla")
 
 _ATTENTION_MODULES = {
+    "cpu": "ksana_jax.pallas_kernels.ragged_paged_attention_cpu",
     "xla": "ksana_jax.pallas_kernels.ragged_paged_attention_xla",
     "pallas_tpu": "ksana_jax.pallas_kernels.ragged_paged_attention_tpu",
     "pallas_gpu": "ksana_jax.pallas_kernels.paged_attention_gpu",
@@ -59,16 +65,29 @@ LayerKVWriteFn = Callable[..., jax.Array]
 
 def resolve_backend(backend: str, platform: str) -> str:
     """Concrete backend name: "auto" becomes the kernel for `platform` (tpu -> pallas_tpu,
-    gpu/cuda -> pallas_gpu, cpu -> xla); a concrete name is checked and returned."""
+    gpu/cuda -> pallas_gpu, cpu -> cpu, or xla with a warning when the cpu kernel cannot be
+    built here); a concrete name is checked and returned."""
     if backend == "auto":
         if platform not in AUTO_BACKEND:
             raise ValueError(
                 f"no attention backend for platform {platform!r}; known: {sorted(AUTO_BACKEND)}"
             )
-        return AUTO_BACKEND[platform]
+        backend = AUTO_BACKEND[platform]
+        if backend == "cpu" and not _cpu_kernel().available():
+            warnings.warn(
+                "the cpu attention kernel could not be built (no C++ compiler? see "
+                "ragged_paged_attention_cpu.py); using the slower xla backend",
+                stacklevel=2,
+            )
+            return "xla"
+        return backend
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {('auto', *BACKENDS)}")
     return backend
+
+
+def _cpu_kernel():
+    return importlib.import_module(_ATTENTION_MODULES["cpu"])
 
 
 def check_kv_layout(backend: str, shape: tuple[int, ...], dtype) -> None:
@@ -99,7 +118,7 @@ def _kernel_module(backend: str, modules: dict[str, str], interpret: bool):
             f"attention backend {backend!r} is not one of {BACKENDS} "
             '("auto" is resolved first, with resolve_backend(backend, platform))'
         )
-    if backend not in modules:  # the reference, or the xla backend's KV writers
+    if backend not in modules:  # the reference, or the cpu and xla backends' KV writers
         return None
     if interpret and backend in PALLAS_BACKENDS:
         warnings.warn(
@@ -111,7 +130,7 @@ def _kernel_module(backend: str, modules: dict[str, str], interpret: bool):
 
 
 def get_attention(backend: str, interpret: bool = False) -> AttentionFn:
-    """The attention function of `backend` ("reference" | "xla" | "pallas_tpu" |
+    """The attention function of `backend` ("reference" | "cpu" | "xla" | "pallas_tpu" |
     "pallas_gpu"); `interpret=True` runs a Pallas kernel on CPU (tests only; it warns)."""
     module = _kernel_module(backend, _ATTENTION_MODULES, interpret)
     if module is None:

@@ -1,0 +1,358 @@
+// Ragged paged attention for CPUs, an XLA FFI custom call: reference.py's semantics.
+//
+// Built at first use by ragged_paged_attention_cpu.py (g++ -O3 -march=native). XLA:CPU
+// cannot express this well in jnp: a paged gather is an element loop, float16 converts one
+// element at a time, and a batched [3 x 64] x [64 x C] product per (sequence, KV head) is a
+// library call each. Here each work item -- one sequence, one KV head, up to kQueryBlock of
+// its new tokens -- streams its keys and values once, TILE positions at a time, converted to
+// float32 in L1-sized tiles, with an online softmax in float32 (flash attention). Items are
+// spread over XLA's intra-op thread pool.
+//
+// Position p of row s comes from the pages (through the page table) when p < num_cached,
+// and from k_new / v_new when it is one of the step's own tokens; a query sees positions
+// up to its own. Nothing past a row's last query is ever read, so NaN there is harmless.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kTile = 16;        // key positions per tile (one AVX-512 register of floats)
+constexpr int kQueryBlock = 16;  // new tokens of a row per work item
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxGroup = 16;    // query heads per KV head
+
+// 16-bit floats to float32. bfloat16 is float32's top half; float16 goes through F16C when
+// the build machine has it, else a bit-exact scalar conversion.
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float f16_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f;
+  uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13);  // inf / NaN
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: renormalize
+    int shift = 0;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      ++shift;
+    }
+    bits = sign | ((113 - shift) << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+enum class Kind { kF32, kBF16, kF16 };
+
+inline void load_row(Kind kind, const void* src, float* dst, int n) {
+  switch (kind) {
+    case Kind::kF32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case Kind::kBF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+      return;
+    }
+    case Kind::kF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      int i = 0;
+#if defined(__F16C__)
+      for (; i + 8 <= n; i += 8) {
+        const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(half));
+      }
+#endif
+      for (; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+      return;
+    }
+  }
+}
+
+// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial, ~1 ulp),
+// branch-free so that a loop of it vectorizes. Rounds with the 1.5 * 2^23 trick (exact for
+// |x| < 2^22), since floor/nearbyint only inline under fast-math flags.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+struct Problem {
+  Kind kind;
+  size_t itemsize;
+  const float* q;               // [T, N, H]
+  const char* k_new;            // [T, K, H]
+  const char* v_new;            // [T, K, H]
+  const char* kv;               // [L, 2, K, num_pages, page_size, H]
+  int64_t layer;
+  const int32_t* page_table;    // [S, P]
+  const int32_t* seq_lens;      // [S]
+  const int32_t* query_starts;  // [S + 1]
+  float* out;                   // [T, N, H]
+  int64_t num_tokens, num_heads, num_kv_heads, head_dim, num_pages, page_size, pages_per_seq;
+  float sm_scale;
+};
+
+struct Item {
+  int32_t row, kv_head, first, count;  // new tokens first .. first + count - 1 of the row
+};
+
+constexpr int kMaxQueries = kQueryBlock * kMaxGroup;
+
+// Attention of `item`'s queries (count tokens x group heads) over their row's positions.
+// kHeadDim > 0 fixes the head dim at compile time (the inner loops unroll into registers);
+// 0 reads it from the problem.
+template <int kHeadDim>
+void attend(const Problem& pb, const Item& item) {
+  const int64_t H = kHeadDim > 0 ? kHeadDim : pb.head_dim;
+  const int64_t K = pb.num_kv_heads, N = pb.num_heads;
+  const int group = static_cast<int>(N / K);
+  const int num_queries = item.count * group;
+  const int32_t start = pb.query_starts[item.row];
+  const int32_t num_new = pb.query_starts[item.row + 1] - start;
+  const int32_t num_cached = pb.seq_lens[item.row] - num_new;
+  const int32_t* table = pb.page_table + static_cast<int64_t>(item.row) * pb.pages_per_seq;
+  // Element offsets of this layer's keys and values for this KV head.
+  const int64_t page_elems = pb.page_size * H;
+  const int64_t head_elems = pb.num_pages * page_elems;
+  const int64_t keys_base = ((pb.layer * 2 + 0) * K + item.kv_head) * head_elems;
+  const int64_t values_base = ((pb.layer * 2 + 1) * K + item.kv_head) * head_elems;
+
+  // Rows packed at stride H (a power-of-two stride of 1 KB would pile every row into the
+  // same few L1 sets).
+  thread_local std::vector<float> scratch;
+  scratch.resize((2 * kMaxQueries + 2 * kTile) * H);
+  float* queries = scratch.data();          // [num_queries, H], pre-scaled
+  float* acc = queries + kMaxQueries * H;   // [num_queries, H]
+  float* keys = acc + kMaxQueries * H;      // [kTile, H]
+  float* values = keys + kTile * H;         // [kTile, H]
+  float running_max[kMaxQueries], denominator[kMaxQueries];
+  int32_t query_pos[kMaxQueries];
+
+  for (int i = 0; i < num_queries; ++i) {
+    const int64_t token = start + item.first + i / group;
+    const int64_t head = item.kv_head * group + i % group;
+    const float* src = pb.q + (token * N + head) * H;
+    for (int64_t h = 0; h < H; ++h) queries[i * H + h] = src[h] * pb.sm_scale;
+    std::fill(acc + i * H, acc + (i + 1) * H, 0.0f);
+    running_max[i] = -INFINITY;
+    denominator[i] = 0.0f;
+    query_pos[i] = num_cached + item.first + i / group;
+  }
+  const int32_t last = num_cached + item.first + item.count - 1;  // latest position read
+
+  auto source = [&](int32_t pos, int which) -> const char* {  // which: 0 keys, 1 values
+    if (pos < num_cached) {
+      const int64_t page = table[pos / pb.page_size];
+      const int64_t elem =
+          (which ? values_base : keys_base) + page * page_elems + (pos % pb.page_size) * H;
+      return pb.kv + elem * pb.itemsize;
+    }
+    const int64_t token = start + (pos - num_cached);
+    const char* base = which ? pb.v_new : pb.k_new;
+    return base + ((token * K + item.kv_head) * H) * pb.itemsize;
+  };
+
+  for (int32_t tile_start = 0; tile_start <= last; tile_start += kTile) {
+    const int width = std::min<int32_t>(kTile, last + 1 - tile_start);
+    for (int j = 0; j < width; ++j) {
+      load_row(pb.kind, source(tile_start + j, 0), keys + j * H, H);
+      load_row(pb.kind, source(tile_start + j, 1), values + j * H, H);
+    }
+    for (int i = 0; i < num_queries; ++i) {
+      const int visible = std::min(width, query_pos[i] - tile_start + 1);
+      if (visible <= 0) continue;  // a later tile than this query sees
+      const float* qi = queries + i * H;
+      float scores[kTile];
+      for (int j = 0; j < visible; ++j) {
+        const float* kj = keys + j * H;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t h = 0; h < H; ++h) dot += qi[h] * kj[h];
+        scores[j] = dot;
+      }
+      float new_max = running_max[i];
+      for (int j = 0; j < visible; ++j) new_max = std::max(new_max, scores[j]);
+      const float rescale = exp_nonpositive(running_max[i] - new_max);  // ~0 at the first tile
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < visible; ++j) {
+        scores[j] = exp_nonpositive(scores[j] - new_max);
+        sum += scores[j];
+      }
+      denominator[i] = denominator[i] * rescale + sum;
+      running_max[i] = new_max;
+      float* a = acc + i * H;
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) a[h] *= rescale;
+      for (int j = 0; j < visible; ++j) {
+        const float p = scores[j];
+        const float* vj = values + j * H;
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) a[h] += p * vj[h];
+      }
+    }
+  }
+  for (int i = 0; i < num_queries; ++i) {
+    const int64_t token = start + item.first + i / group;
+    const int64_t head = item.kv_head * group + i % group;
+    float* dst = pb.out + (token * N + head) * H;
+    const float inv = 1.0f / denominator[i];  // every query sees at least its own key
+    for (int64_t h = 0; h < H; ++h) dst[h] = acc[i * H + h] * inv;
+  }
+}
+
+void attend_any(const Problem& pb, const Item& item) {
+  switch (pb.head_dim) {
+    case 64: return attend<64>(pb, item);
+    case 128: return attend<128>(pb, item);
+    default: return attend<0>(pb, item);
+  }
+}
+
+// Runs every item on the caller and the pool's threads. A pool task may start only after
+// the caller has returned: it then finds no item left (the count lives in `state`, which it
+// co-owns) and touches nothing else.
+struct SharedState {
+  explicit SharedState(int64_t n) : num_items(n) {}
+  const int64_t num_items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};
+};
+
+void run_items(ffi::ThreadPool& pool, const Problem& pb, const std::vector<Item>& items) {
+  auto state = std::make_shared<SharedState>(static_cast<int64_t>(items.size()));
+  const Problem* problem = &pb;
+  const Item* work = items.data();
+  auto worker = [state, problem, work]() {
+    state->active.fetch_add(1);
+    for (;;) {
+      const int64_t i = state->next.fetch_add(1);
+      if (i >= state->num_items) break;
+      attend_any(*problem, work[i]);
+    }
+    state->active.fetch_sub(1);
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), state->num_items - 1);
+  for (int64_t t = 0; t < helpers; ++t) {
+    auto task = worker;  // Schedule takes its task by value (an rvalue)
+    pool.Schedule(std::move(task));
+  }
+  worker();
+  // Every item is claimed; wait for the ones still running.
+  while (state->active.load() != 0) std::this_thread::yield();
+}
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
+                     ffi::AnyBuffer v_new, ffi::AnyBuffer kv,
+                     ffi::Buffer<ffi::S32> layer_index, ffi::Buffer<ffi::S32> page_table,
+                     ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_starts,
+                     ffi::ResultBuffer<ffi::F32> out, float sm_scale) {
+  Problem pb;
+  switch (kv.element_type()) {
+    case ffi::F32: pb.kind = Kind::kF32; pb.itemsize = 4; break;
+    case ffi::BF16: pb.kind = Kind::kBF16; pb.itemsize = 2; break;
+    case ffi::F16: pb.kind = Kind::kF16; pb.itemsize = 2; break;
+    default:
+      return ffi::Error::InvalidArgument("kv must be float32, bfloat16 or float16");
+  }
+  if (k_new.element_type() != kv.element_type() || v_new.element_type() != kv.element_type())
+    return ffi::Error::InvalidArgument("k_new and v_new must have kv's dtype");
+  const auto q_dims = q.dimensions();
+  const auto kv_dims = kv.dimensions();
+  pb.num_tokens = q_dims[0];
+  pb.num_heads = q_dims[1];
+  pb.head_dim = q_dims[2];
+  pb.num_kv_heads = kv_dims[2];
+  pb.num_pages = kv_dims[3];
+  pb.page_size = kv_dims[4];
+  pb.pages_per_seq = page_table.dimensions()[1];
+  if (pb.head_dim > kMaxHeadDim || pb.num_heads / pb.num_kv_heads > kMaxGroup)
+    return ffi::Error::InvalidArgument("head_dim must be <= 256 and query heads per KV head <= 16");
+  pb.q = q.typed_data();
+  pb.k_new = static_cast<const char*>(k_new.untyped_data());
+  pb.v_new = static_cast<const char*>(v_new.untyped_data());
+  pb.kv = static_cast<const char*>(kv.untyped_data());
+  pb.layer = layer_index.typed_data()[0];
+  pb.page_table = page_table.typed_data();
+  pb.seq_lens = seq_lens.typed_data();
+  pb.query_starts = query_starts.typed_data();
+  pb.out = out->typed_data();
+  pb.sm_scale = sm_scale;
+  std::memset(pb.out, 0, sizeof(float) * pb.num_tokens * pb.num_heads * pb.head_dim);
+
+  std::vector<Item> items;
+  const int64_t num_seqs = seq_lens.dimensions()[0];
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const int32_t num_new = pb.query_starts[s + 1] - pb.query_starts[s];
+    for (int32_t first = 0; first < num_new; first += kQueryBlock) {
+      for (int32_t k = 0; k < pb.num_kv_heads; ++k) {
+        items.push_back({s, k, first, std::min(kQueryBlock, num_new - first)});
+      }
+    }
+  }
+  // Longest contexts first, so the last items to finish are short ones.
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    const int32_t ea = pb.seq_lens[a.row] - (pb.query_starts[a.row + 1] - pb.query_starts[a.row]) + a.first;
+    const int32_t eb = pb.seq_lens[b.row] - (pb.query_starts[b.row + 1] - pb.query_starts[b.row]) + b.first;
+    return ea > eb;
+  });
+  if (!items.empty()) run_items(pool, pb, items);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaRaggedPagedAttentionCpu, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()         // k_new
+                                  .Arg<ffi::AnyBuffer>()         // v_new
+                                  .Arg<ffi::AnyBuffer>()         // kv
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer_index
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_starts
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<float>("sm_scale"));
