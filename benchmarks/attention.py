@@ -1,6 +1,7 @@
 """Attention backends on realistic shapes: time per call and achieved bytes/s.
 
-For each backend (reference = the jnp oracle through XLA; xla; pallas_tpu; pallas_gpu) and each
+For each backend (reference = the jnp oracle through XLA; cpu, the C++ kernel, and xla on CPU;
+pallas_tpu; pallas_gpu) and each
 workload (long-context decode, a prefill chunk, a mixed batch) it times one attention call
 over one layer and divides the bytes attention must read -- every real row's cached K and
 V, plus q, the new K/V and the output -- by the median time, and prints the fraction of
@@ -103,7 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3_8b")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--backends", default="reference,xla,pallas_tpu,pallas_gpu")
+    parser.add_argument("--backends", default="reference,cpu,xla,pallas_tpu,pallas_gpu")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
@@ -137,6 +138,8 @@ def main() -> None:
             if backend == "pallas_tpu" and platform not in ("tpu", "cpu"):
                 continue
             if backend == "pallas_gpu" and platform not in ("gpu", "cpu"):
+                continue
+            if backend == "cpu" and not on_cpu:  # an XLA:CPU custom call
                 continue
             with warnings.catch_warnings():  # the interpret-mode warning: said above
                 warnings.simplefilter("ignore", UserWarning)
