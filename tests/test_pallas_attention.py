@@ -309,6 +309,23 @@ def test_bad_inputs_raise_clear_errors(attention):
         attention(*args[:5], args[5].astype(jnp.int16), *args[6:], sm_scale=1.0)
 
 
+def test_cpu_kernel_rejects_steps_that_would_read_out_of_bounds():
+    """Values, not shapes: the C++ kernel checks every row before it reads, so a bad step is
+    an error naming the argument, never a stray read or a crash."""
+    args = make_batch(SCENARIOS["mixed"], num_kv_heads=2, group=3, head_dim=64)
+    bad = {
+        5: (args[5].at[0, 0].set(NUM_PAGES), "page_table: a page id is out of range"),
+        6: (args[6].at[0].set(10**6), "seq_lens: a row's cached tokens exceed its page table"),
+        7: (args[7].at[1].set(NUM_TOKENS + 1), "query_starts must be non-decreasing"),
+        4: (jnp.int32(NUM_LAYERS), "layer_index out of range"),
+    }
+    for index, (value, message) in bad.items():
+        broken = list(args)
+        broken[index] = value
+        with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+            np.asarray(ragged_paged_attention_cpu.ragged_paged_attention(*broken, sm_scale=1.0))
+
+
 def test_xla_rejects_chunk_off_the_page_size():
     args = make_batch([(3, 2)], num_kv_heads=2, group=3, head_dim=64)
     with pytest.raises(ValueError, match="chunk=24 must be a positive multiple of page_size=16"):

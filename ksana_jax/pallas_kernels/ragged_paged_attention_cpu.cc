@@ -321,8 +321,26 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   pb.sm_scale = sm_scale;
   std::memset(pb.out, 0, sizeof(float) * pb.num_tokens * pb.num_heads * pb.head_dim);
 
-  std::vector<Item> items;
+  // Rows are checked before anything is read: a bad step is an error, never a stray read.
   const int64_t num_seqs = seq_lens.dimensions()[0];
+  if (pb.layer < 0 || pb.layer >= kv_dims[0])
+    return ffi::Error::InvalidArgument("layer_index out of range");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t start = pb.query_starts[s], num_new = pb.query_starts[s + 1] - start;
+    const int64_t num_cached = pb.seq_lens[s] - num_new;
+    if (start < 0 || num_new < 0 || start + num_new > pb.num_tokens)
+      return ffi::Error::InvalidArgument("query_starts must be non-decreasing within [0, T]");
+    if (num_new == 0) continue;  // a padding row: nothing is read
+    if (num_cached < 0 || num_cached > pb.pages_per_seq * pb.page_size)
+      return ffi::Error::InvalidArgument("seq_lens: a row's cached tokens exceed its page table");
+    const int32_t* table = pb.page_table + s * pb.pages_per_seq;
+    for (int64_t i = 0; i * pb.page_size < num_cached; ++i) {
+      if (table[i] < 0 || table[i] >= pb.num_pages)
+        return ffi::Error::InvalidArgument("page_table: a page id is out of range");
+    }
+  }
+
+  std::vector<Item> items;
   for (int32_t s = 0; s < num_seqs; ++s) {
     const int32_t num_new = pb.query_starts[s + 1] - pb.query_starts[s];
     for (int32_t first = 0; first < num_new; first += kQueryBlock) {
