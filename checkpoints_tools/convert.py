@@ -66,6 +66,7 @@ def write_checkpoint(source: Source, output_dir: str | Path, force: bool = False
                 json.dumps(source.generation_config, indent=2) + "\n"
             )
         checkpoint.save_params(staging / checkpoint.PARAMS_DIR, source.params)
+        checkpoint.write_layout(staging)
         if output_dir.exists():
             shutil.rmtree(output_dir)
         os.rename(staging, output_dir)

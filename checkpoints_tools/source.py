@@ -1,8 +1,8 @@
 """What every reader produces: a model's config, params, tokenizer files and generation config.
 
-Readers (`hf.py`, `gguf_source.py`) name tensors the Hugging Face way with (out, in) matrices;
-`ParamAssembler` checks each one's shape, transposes it to our [in, out] layout, casts it and
-places it into the layer-stacked arrays, and finally reports anything missing by name.
+Readers (`hf.py`, `gguf_source.py`) name tensors the Hugging Face way with (out, in) matrices,
+which is also our layout; `ParamAssembler` checks each one's shape, casts it and places it
+into the layer-stacked arrays, and finally reports anything missing by name.
 """
 
 from __future__ import annotations
@@ -30,26 +30,26 @@ class Source:
     generation_config: dict[str, Any] | None
 
 
-# HF tensor name -> (our flat name, whether the HF (out, in) matrix is transposed to [in, out]).
+# HF tensor name -> our flat name. Matrices keep HF's (out, in) layout.
 _TOP_LEVEL = {
-    "model.embed_tokens.weight": ("embed", False),
-    "model.norm.weight": ("final_norm", False),
-    "lm_head.weight": ("lm_head", True),
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "final_norm",
+    "lm_head.weight": "lm_head",
 }
 _PER_LAYER = {
-    "input_layernorm.weight": ("layers.attn_norm", False),
-    "self_attn.q_proj.weight": ("layers.wq", True),
-    "self_attn.k_proj.weight": ("layers.wk", True),
-    "self_attn.v_proj.weight": ("layers.wv", True),
-    "self_attn.o_proj.weight": ("layers.wo", True),
-    "self_attn.q_proj.bias": ("layers.bq", False),
-    "self_attn.k_proj.bias": ("layers.bk", False),
-    "self_attn.v_proj.bias": ("layers.bv", False),
-    "self_attn.o_proj.bias": ("layers.bo", False),
-    "post_attention_layernorm.weight": ("layers.mlp_norm", False),
-    "mlp.gate_proj.weight": ("layers.w_gate", True),
-    "mlp.up_proj.weight": ("layers.w_up", True),
-    "mlp.down_proj.weight": ("layers.w_down", True),
+    "input_layernorm.weight": "layers.attn_norm",
+    "self_attn.q_proj.weight": "layers.wq",
+    "self_attn.k_proj.weight": "layers.wk",
+    "self_attn.v_proj.weight": "layers.wv",
+    "self_attn.o_proj.weight": "layers.wo",
+    "self_attn.q_proj.bias": "layers.bq",
+    "self_attn.k_proj.bias": "layers.bk",
+    "self_attn.v_proj.bias": "layers.bv",
+    "self_attn.o_proj.bias": "layers.bo",
+    "post_attention_layernorm.weight": "layers.mlp_norm",
+    "mlp.gate_proj.weight": "layers.w_gate",
+    "mlp.up_proj.weight": "layers.w_up",
+    "mlp.down_proj.weight": "layers.w_down",
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Buffers some exporters save that carry no weights.
@@ -59,11 +59,9 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 def hf_tensor_names(cfg: ModelConfig) -> list[str]:
     """Every HF tensor name this config needs, in a stable order."""
     shapes = llama.param_shapes(cfg)
-    names = [hf for hf, (ours, _) in _TOP_LEVEL.items() if ours in shapes]
+    names = [hf for hf, ours in _TOP_LEVEL.items() if ours in shapes]
     for i in range(cfg.num_hidden_layers):
-        names += [
-            f"model.layers.{i}.{hf}" for hf, (ours, _) in _PER_LAYER.items() if ours in shapes
-        ]
+        names += [f"model.layers.{i}.{hf}" for hf, ours in _PER_LAYER.items() if ours in shapes]
     return names
 
 
@@ -77,14 +75,12 @@ class ParamAssembler:
         self._arrays = {name: np.empty(shape, self._dtype) for name, shape in self._shapes.items()}
         self._missing = set(hf_tensor_names(cfg))
 
-    def _target(self, hf_name: str) -> tuple[str, int | None, bool] | None:
+    def _target(self, hf_name: str) -> tuple[str, int | None] | None:
         if hf_name in _TOP_LEVEL:
-            name, transpose = _TOP_LEVEL[hf_name]
-            return name, None, transpose
+            return _TOP_LEVEL[hf_name], None
         match = _LAYER_NAME.fullmatch(hf_name)
         if match and match.group(2) in _PER_LAYER:
-            name, transpose = _PER_LAYER[match.group(2)]
-            return name, int(match.group(1)), transpose
+            return _PER_LAYER[match.group(2)], int(match.group(1))
         return None
 
     def put(self, hf_name: str, value: np.ndarray) -> None:
@@ -97,7 +93,7 @@ class ParamAssembler:
                 f"unexpected tensor {hf_name!r} for a {self._cfg.model_type} "
                 "model (is the architecture supported?)"
             )
-        name, layer, transpose = target
+        name, layer = target
         if name not in self._shapes:
             if name == "lm_head" and self._cfg.tie_word_embeddings:
                 return  # tied checkpoints sometimes store a copy of the embeddings
@@ -108,12 +104,10 @@ class ParamAssembler:
                 f"tensor {hf_name!r} is for layer {layer}, but the config has "
                 f"{self._cfg.num_hidden_layers} layers"
             )
-        expected = shape[::-1] if transpose else shape
-        if tuple(value.shape) != tuple(expected):
+        if tuple(value.shape) != tuple(shape):
             raise ConversionError(
-                f"tensor {hf_name!r} has shape {tuple(value.shape)}, expected {tuple(expected)}"
+                f"tensor {hf_name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}"
             )
-        value = value.T if transpose else value
         if layer is None:
             self._arrays[name][...] = value.astype(self._dtype)
         else:

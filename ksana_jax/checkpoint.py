@@ -4,6 +4,7 @@ A checkpoint directory (written by checkpoints_tools, read by `ksana_jax.load`):
 
     config.json              ModelConfig as a transformers-style config
     params/                  orbax checkpoint of the flat {name: array} params dict
+    params_layout.json       {"matrices": "out_in"}: weight matrices are [out, in]
     tokenizer.json | tokenizer.model, tokenizer_config.json (chat template inside)
     generation_config.json   when the source had one
 
@@ -27,10 +28,26 @@ from ksana_jax.models import llama
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
 GENERATION_CONFIG_FILE = "generation_config.json"
+LAYOUT_FILE = "params_layout.json"
+# Weight matrices are [out, in]. Checkpoints written before this file existed hold
+# [in, out] matrices; their square ones would restore without a shape error, so the file's
+# absence is refused by name rather than guessed at.
+LAYOUT = {"matrices": "out_in"}
 
 
 def is_checkpoint_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file() and (path / PARAMS_DIR).is_dir()
+
+
+def write_layout(path: Path) -> None:
+    (Path(path) / LAYOUT_FILE).write_text(json.dumps(LAYOUT) + "\n")
+
+
+def has_current_layout(path: Path) -> bool:
+    try:
+        return json.loads((Path(path) / LAYOUT_FILE).read_text()) == LAYOUT
+    except (OSError, ValueError):
+        return False
 
 
 def save_params(path: Path, params: llama.LlamaParams) -> None:
@@ -53,7 +70,13 @@ def load_params(
     """Restores a checkpoint directory's params as `dtype`, optionally straight into shardings.
 
     `sharding_for(flat_name)` gives each array's sharding; by default the first device.
+    Raises ValueError for a checkpoint of an older layout (no params_layout.json).
     """
+    if not has_current_layout(path):
+        raise ValueError(
+            f"{path} was written by an older ksana-jax ([in, out] weight matrices, no "
+            f"{LAYOUT_FILE}); convert its source again: ksana-jax convert SOURCE {path} --force"
+        )
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = {
         name: jax.ShapeDtypeStruct(

@@ -38,7 +38,7 @@ def cache_dir() -> Path:
 def demo_checkpoint() -> Path:
     """The converted demo checkpoint directory, converting it on first use."""
     out = cache_dir() / "SmolLM2-135M-Instruct"
-    if not checkpoint.is_checkpoint_dir(out):
+    if not (checkpoint.is_checkpoint_dir(out) and checkpoint.has_current_layout(out)):
         from checkpoints_tools import convert  # conversion lives above the engine
 
         gguf = demo_gguf_path()

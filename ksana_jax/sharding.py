@@ -17,12 +17,12 @@ Mesh axes (tp = model x kv_replica devices hold one copy of the model between th
                 heads than tp (K=2, tp=4: model 2 x kv_replica 2, each device holds one
                 whole KV head and half of that head's query heads)
 
-Logical axes -> mesh axes (Megatron-style; matrices are [in, out]):
+Logical axes -> mesh axes (Megatron-style; matrices are [out, in]):
 
     q_heads  N*H   wq, bq column-split; wo row-split (its input)   -> (model, kv_replica)
     kv_heads K*H   wk, wv, bk, bv column-split; KV pages by head   -> model
     mlp      F     w_gate, w_up column-split; w_down row-split     -> (model, kv_replica)
-    vocab    V     embed [V, D] and lm_head [D, V] split by vocab  -> (model, kv_replica)
+    vocab    V     embed and lm_head, both [V, D], split by vocab  -> (model, kv_replica)
     embed    D, layers L, pages, ...                               -> never split
 
 Embeddings and the LM head are split by vocabulary, not by model dim: the LM head is then
@@ -64,21 +64,21 @@ TENSOR = (MODEL, KV_REPLICA)  # the tensor-parallel devices, for column and row 
 # Logical axes of each parameter, by checkpoint name (layers stacked on the first axis).
 PARAM_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
+    "lm_head": ("vocab", "embed"),
     "final_norm": ("embed",),
     "layers.attn_norm": ("layers", "embed"),
     "layers.mlp_norm": ("layers", "embed"),
-    "layers.wq": ("layers", "embed", "q_heads"),
-    "layers.wk": ("layers", "embed", "kv_heads"),
-    "layers.wv": ("layers", "embed", "kv_heads"),
-    "layers.wo": ("layers", "q_heads", "embed"),
+    "layers.wq": ("layers", "q_heads", "embed"),
+    "layers.wk": ("layers", "kv_heads", "embed"),
+    "layers.wv": ("layers", "kv_heads", "embed"),
+    "layers.wo": ("layers", "embed", "q_heads"),
     "layers.bq": ("layers", "q_heads"),
     "layers.bk": ("layers", "kv_heads"),
     "layers.bv": ("layers", "kv_heads"),
     "layers.bo": ("layers", "embed"),
-    "layers.w_gate": ("layers", "embed", "mlp"),
-    "layers.w_up": ("layers", "embed", "mlp"),
-    "layers.w_down": ("layers", "mlp", "embed"),
+    "layers.w_gate": ("layers", "mlp", "embed"),
+    "layers.w_up": ("layers", "mlp", "embed"),
+    "layers.w_down": ("layers", "embed", "mlp"),
 }
 # kv [L, 2, K, num_pages, page_size, H] (kv_cache.py)
 KV_AXES = ("layers", "kv_pair", "kv_heads", "pages", "page_slots", "head_dim")

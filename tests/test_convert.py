@@ -32,6 +32,7 @@ CHECKPOINT_FILES = [
     "config.json",
     "generation_config.json",
     "params",
+    "params_layout.json",
     "tokenizer.json",
     "tokenizer_config.json",
 ]
@@ -490,6 +491,16 @@ def test_only_a_complete_directory_loads(src, tmp_path):
             ksana_jax.load(partial)
 
 
+def test_a_checkpoint_of_the_old_matrix_layout_is_refused_by_name(src, tmp_path):
+    """Checkpoints from before [out, in] matrices have no params_layout.json; their square
+    matrices would restore silently transposed, so load refuses them and says what to do."""
+    old = convert(src, tmp_path / "ckpt")
+    (old / checkpoint.LAYOUT_FILE).unlink()
+    assert checkpoint.is_checkpoint_dir(old) and not checkpoint.has_current_layout(old)
+    with pytest.raises(ValueError, match=r"older ksana-jax.*ksana-jax convert SOURCE"):
+        ksana_jax.load(old)
+
+
 # ----------------------------------------------------------------------------- layout
 
 
@@ -523,22 +534,20 @@ def test_converted_directory_layout(tmp_path, tiny_hf, tiny_hf_4x, layout):
         assert tokenizer_config[key] == source_tokenizer_config[key]
     assert read_json(out / "generation_config.json") == read_json(source / "generation_config.json")
 
-    # params/: an orbax checkpoint holding exactly the model's arrays, transposed to [in, out].
+    # params/: an orbax checkpoint holding exactly the model's arrays, matrices (out, in) as
+    # in the source, and the layout marker that says so.
+    assert checkpoint.has_current_layout(out)
     params = checkpoint.load_params(out, source_config, "float32")
     flat = {k: np.asarray(v) for k, v in llama.params_to_flat(params).items()}
     assert {k: v.shape for k, v in flat.items()} == llama.param_shapes(source_config)
     hf = all_tensors(source)
     np.testing.assert_array_equal(flat["embed"], hf["model.embed_tokens.weight"])
     np.testing.assert_array_equal(flat["final_norm"], hf["model.norm.weight"])
-    np.testing.assert_array_equal(flat["lm_head"], hf["lm_head.weight"].T)
+    np.testing.assert_array_equal(flat["lm_head"], hf["lm_head.weight"])
     for i in range(source_config.num_hidden_layers):
         prefix = f"model.layers.{i}."
-        np.testing.assert_array_equal(
-            flat["layers.wq"][i], hf[prefix + "self_attn.q_proj.weight"].T
-        )
-        np.testing.assert_array_equal(
-            flat["layers.w_down"][i], hf[prefix + "mlp.down_proj.weight"].T
-        )
+        np.testing.assert_array_equal(flat["layers.wq"][i], hf[prefix + "self_attn.q_proj.weight"])
+        np.testing.assert_array_equal(flat["layers.w_down"][i], hf[prefix + "mlp.down_proj.weight"])
         np.testing.assert_array_equal(
             flat["layers.mlp_norm"][i], hf[prefix + "post_attention_layernorm.weight"]
         )

@@ -226,10 +226,10 @@ def test_llama_f32_matches_transformers(tmp_path):
     # F32 weights come back bit-exact, Q and K un-permuted to the Hugging Face row order.
     attn = hf.model.layers[1].self_attn
     np.testing.assert_array_equal(
-        np.asarray(model.params.layers[1].wq), attn.q_proj.weight.detach().T
+        np.asarray(model.params.layers[1].wq), attn.q_proj.weight.detach()
     )
     np.testing.assert_array_equal(
-        np.asarray(model.params.layers[1].wk), attn.k_proj.weight.detach().T
+        np.asarray(model.params.layers[1].wk), attn.k_proj.weight.detach()
     )
 
     want = hf_logits(hf, TOKENS)
@@ -297,7 +297,7 @@ def test_qwen2_matches_transformers(tmp_path):
     # No Q/K permutation for qwen2: the weights come back as written.
     attn = hf.model.layers[2].self_attn
     np.testing.assert_array_equal(
-        np.asarray(model.params.layers[2].wq), attn.q_proj.weight.detach().T
+        np.asarray(model.params.layers[2].wq), attn.q_proj.weight.detach()
     )
     np.testing.assert_array_equal(np.asarray(model.params.layers[2].bk), attn.k_proj.bias.detach())
     np.testing.assert_allclose(model.logits(TOKENS), hf_logits(hf, TOKENS), atol=1e-4, rtol=0)

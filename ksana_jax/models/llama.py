@@ -33,17 +33,17 @@ from ksana_jax.step_inputs import StepInputs
 
 @struct.dataclass
 class LayerParams:
-    """One decoder layer's weights; matrices are [in, out]."""
+    """One decoder layer's weights; matrices are [out, in] (see `layers.linear`)."""
 
     attn_norm: jax.Array  # [D]
-    wq: jax.Array  # [D, N*H]
-    wk: jax.Array  # [D, K*H]
-    wv: jax.Array  # [D, K*H]
-    wo: jax.Array  # [N*H, D]
+    wq: jax.Array  # [N*H, D]
+    wk: jax.Array  # [K*H, D]
+    wv: jax.Array  # [K*H, D]
+    wo: jax.Array  # [D, N*H]
     mlp_norm: jax.Array  # [D]
-    w_gate: jax.Array  # [D, F]
-    w_up: jax.Array  # [D, F]
-    w_down: jax.Array  # [F, D]
+    w_gate: jax.Array  # [F, D]
+    w_up: jax.Array  # [F, D]
+    w_down: jax.Array  # [D, F]
     bq: jax.Array | None = None  # [N*H]  (qkv_bias)
     bk: jax.Array | None = None  # [K*H]
     bv: jax.Array | None = None  # [K*H]
@@ -55,7 +55,7 @@ class LlamaParams:
     embed: jax.Array  # [V, D]
     layers: tuple[LayerParams, ...]  # L separate layers (see the module docstring)
     final_norm: jax.Array  # [D]
-    lm_head: jax.Array | None = None  # [D, V]; None when tied to embed
+    lm_head: jax.Array | None = None  # [V, D]; None when tied to embed
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -67,17 +67,17 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "embed": (cfg.vocab_size, d),
         "final_norm": (d,),
         "layers.attn_norm": (n_layers, d),
-        "layers.wq": (n_layers, d, q_dim),
-        "layers.wk": (n_layers, d, kv_dim),
-        "layers.wv": (n_layers, d, kv_dim),
-        "layers.wo": (n_layers, q_dim, d),
+        "layers.wq": (n_layers, q_dim, d),
+        "layers.wk": (n_layers, kv_dim, d),
+        "layers.wv": (n_layers, kv_dim, d),
+        "layers.wo": (n_layers, d, q_dim),
         "layers.mlp_norm": (n_layers, d),
-        "layers.w_gate": (n_layers, d, f),
-        "layers.w_up": (n_layers, d, f),
-        "layers.w_down": (n_layers, f, d),
+        "layers.w_gate": (n_layers, f, d),
+        "layers.w_up": (n_layers, f, d),
+        "layers.w_down": (n_layers, d, f),
     }
     if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (d, cfg.vocab_size)
+        shapes["lm_head"] = (cfg.vocab_size, d)
     if cfg.qkv_bias:
         shapes |= {
             "layers.bq": (n_layers, q_dim),
@@ -202,10 +202,6 @@ def forward(
 
 
 def logits(params: LlamaParams, hidden: jax.Array) -> jax.Array:
-    """Vocabulary logits f32[R, V] of hidden states f32[R, D] (tied or separate LM head)."""
-    if params.lm_head is not None:
-        return linear(hidden, params.lm_head)
-    embed = params.embed
-    return jnp.einsum(
-        "rd,vd->rv", hidden.astype(embed.dtype), embed, preferred_element_type=jnp.float32
-    )
+    """Vocabulary logits f32[R, V] of hidden states f32[R, D] (a separate LM head [V, D], or
+    the embeddings [V, D] when tied)."""
+    return linear(hidden, params.embed if params.lm_head is None else params.lm_head)
