@@ -22,6 +22,7 @@ import numpy as np
 
 from ksana_jax import LLM, SamplingParams
 from ksana_jax.demo import demo_checkpoint, demo_gguf_path
+from ksana_jax.runner import compile_count
 from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
 
 
@@ -120,6 +121,7 @@ def main() -> None:
     parser.add_argument("--hf-dtype", nargs="*", default=["bfloat16", "float32"])
     args = parser.parse_args()
 
+    start = time.perf_counter()
     llm = LLM(
         demo_checkpoint(),
         dtype=args.dtype,
@@ -128,10 +130,13 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         compilation_cache_dir=str(demo_checkpoint().parent / "jax-cache"),
     )
+    load_and_warm_up = time.perf_counter() - start
     requests = workload(args.requests, args.seed, llm.model.config.vocab_size)
     asked = sum(m for _, m in requests)
     rows = []
+    compiled_before = compile_count()
     ours = run_ksana(llm, requests)
+    compiled_during_run = compile_count() - compiled_before
     rows.append((f"ksana-jax {args.dtype}", ours))
 
     import torch
@@ -156,6 +161,11 @@ def main() -> None:
     print(
         f"\n{args.requests} requests, {asked} output tokens asked, "
         f"{sum(len(p) for p, _ in requests)} prompt tokens; {jax.devices()[0].platform}"
+    )
+    print(
+        f"ksana-jax: load + warm-up of {len(llm.engine.runner.bucket_shapes())} step shapes "
+        f"{load_and_warm_up:.1f} s (persistent compilation cache on); compilations during "
+        f"the run: {compiled_during_run}"
     )
     print(f"{'system':<34}{'seconds':>9}{'tok/s':>9}{'vs best HF':>12}")
     for name, seconds in rows:
