@@ -138,6 +138,8 @@ struct Item {
 };
 
 constexpr int kMaxQueries = kQueryBlock * kMaxGroup;
+constexpr int kScoreBlock = 4;      // queries scored together against a transposed tile
+constexpr int kTransposeFrom = 8;   // queries in an item from which the tile is transposed
 
 // Attention of `item`'s queries (count tokens x group heads) over their row's positions.
 // kHeadDim > 0 fixes the head dim at compile time (the inner loops unroll into registers);
@@ -161,11 +163,12 @@ void attend(const Problem& pb, const Item& item) {
   // Rows packed at stride H (a power-of-two stride of 1 KB would pile every row into the
   // same few L1 sets).
   thread_local std::vector<float> scratch;
-  scratch.resize((2 * kMaxQueries + 2 * kTile) * H);
+  scratch.resize((2 * kMaxQueries + 3 * kTile) * H);
   float* queries = scratch.data();          // [num_queries, H], pre-scaled
   float* acc = queries + kMaxQueries * H;   // [num_queries, H]
   float* keys = acc + kMaxQueries * H;      // [kTile, H]
   float* values = keys + kTile * H;         // [kTile, H]
+  float* keys_t = values + kTile * H;       // [H, kTile]
   float running_max[kMaxQueries], denominator[kMaxQueries];
   int32_t query_pos[kMaxQueries];
 
@@ -193,43 +196,78 @@ void attend(const Problem& pb, const Item& item) {
     return base + ((token * K + item.kv_head) * H) * pb.itemsize;
   };
 
+  // Online softmax and value update of query i with the raw scores p[0, visible) of the
+  // tile's first `visible` positions (the ones it sees).
+  auto absorb = [&](int i, float* p, int visible) {
+    float new_max = running_max[i];
+    for (int j = 0; j < visible; ++j) new_max = std::max(new_max, p[j]);
+    const float rescale = exp_nonpositive(running_max[i] - new_max);  // ~0 at the first tile
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < visible; ++j) {
+      p[j] = exp_nonpositive(p[j] - new_max);
+      sum += p[j];
+    }
+    denominator[i] = denominator[i] * rescale + sum;
+    running_max[i] = new_max;
+    float* a = acc + i * H;
+#pragma omp simd
+    for (int64_t h = 0; h < H; ++h) a[h] *= rescale;
+    for (int j = 0; j < visible; ++j) {
+      const float pj = p[j];
+      const float* vj = values + j * H;
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) a[h] += pj * vj[h];
+    }
+  };
+
+  // Prefill items (many queries) score a tile as a small matrix product against the tile's
+  // keys transposed, kScoreBlock queries at a time, so each key value loaded feeds
+  // kScoreBlock FMAs; decode items (a few queries) take one dot product per key, which
+  // skips the transpose.
+  const bool transposed = num_queries >= kTransposeFrom;
   for (int32_t tile_start = 0; tile_start <= last; tile_start += kTile) {
     const int width = std::min<int32_t>(kTile, last + 1 - tile_start);
+    // Phase 1: this tile's keys and values, in float32.
     for (int j = 0; j < width; ++j) {
       load_row(pb.kind, source(tile_start + j, 0), keys + j * H, H);
       load_row(pb.kind, source(tile_start + j, 1), values + j * H, H);
     }
-    for (int i = 0; i < num_queries; ++i) {
-      const int visible = std::min(width, query_pos[i] - tile_start + 1);
-      if (visible <= 0) continue;  // a later tile than this query sees
-      const float* qi = queries + i * H;
-      float scores[kTile];
-      for (int j = 0; j < visible; ++j) {
-        const float* kj = keys + j * H;
-        float dot = 0.0f;
+    // Phase 2: scores, then phase 3: absorb them.
+    if (!transposed) {
+      for (int i = 0; i < num_queries; ++i) {
+        const int visible = std::min(width, query_pos[i] - tile_start + 1);
+        if (visible <= 0) continue;  // a later tile than this query sees
+        const float* qi = queries + i * H;
+        float scores[kTile];
+        for (int j = 0; j < visible; ++j) {
+          const float* kj = keys + j * H;
+          float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t h = 0; h < H; ++h) dot += qi[h] * kj[h];
-        scores[j] = dot;
+          for (int64_t h = 0; h < H; ++h) dot += qi[h] * kj[h];
+          scores[j] = dot;
+        }
+        absorb(i, scores, visible);
       }
-      float new_max = running_max[i];
-      for (int j = 0; j < visible; ++j) new_max = std::max(new_max, scores[j]);
-      const float rescale = exp_nonpositive(running_max[i] - new_max);  // ~0 at the first tile
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int j = 0; j < visible; ++j) {
-        scores[j] = exp_nonpositive(scores[j] - new_max);
-        sum += scores[j];
+      continue;
+    }
+    for (int j = 0; j < kTile; ++j) {
+      for (int64_t h = 0; h < H; ++h) keys_t[h * kTile + j] = j < width ? keys[j * H + h] : 0.0f;
+    }
+    for (int block = 0; block < num_queries; block += kScoreBlock) {
+      const int rows = std::min(kScoreBlock, num_queries - block);
+      alignas(64) float scores[kScoreBlock][kTile] = {};
+      for (int64_t h = 0; h < H; ++h) {
+        const float* kt = keys_t + h * kTile;
+        for (int r = 0; r < rows; ++r) {
+          const float qh = queries[(block + r) * H + h];
+#pragma omp simd
+          for (int j = 0; j < kTile; ++j) scores[r][j] += qh * kt[j];
+        }
       }
-      denominator[i] = denominator[i] * rescale + sum;
-      running_max[i] = new_max;
-      float* a = acc + i * H;
-#pragma omp simd
-      for (int64_t h = 0; h < H; ++h) a[h] *= rescale;
-      for (int j = 0; j < visible; ++j) {
-        const float p = scores[j];
-        const float* vj = values + j * H;
-#pragma omp simd
-        for (int64_t h = 0; h < H; ++h) a[h] += p * vj[h];
+      for (int r = 0; r < rows; ++r) {
+        const int visible = std::min(width, query_pos[block + r] - tile_start + 1);
+        if (visible > 0) absorb(block + r, scores[r], visible);
       }
     }
   }
