@@ -3,14 +3,23 @@
 // Built at first use by ragged_paged_attention_cpu.py (g++ -O3 -march=native). XLA:CPU
 // cannot express this well in jnp: a paged gather is an element loop, float16 converts one
 // element at a time, and a batched [3 x 64] x [64 x C] product per (sequence, KV head) is a
-// library call each. Here each work item -- one sequence, one KV head, up to kQueryBlock of
-// its new tokens -- streams its keys and values once, TILE positions at a time, converted to
-// float32 in L1-sized tiles, with an online softmax in float32 (flash attention). Items are
-// spread over XLA's intra-op thread pool.
+// library call each.
+//
+// Work items: one row, one KV head, up to kQueryBlock of the row's new tokens (times the
+// query heads of that KV head), spread over XLA's intra-op thread pool, longest contexts
+// first. An item streams its row's positions once, kTile at a time:
+//   phase 1  the tile's keys and values, converted to float32 (an L1-sized tile);
+//   phase 2  scores: one dot product per (query, key) for decode items, or, from
+//            kTransposeFrom queries on (prefill), the tile's keys transposed and scored
+//            kScoreBlock queries at a time;
+//   phase 3  online softmax in float32 (running max, denominator, weighted value sum per
+//            query), rescaled tile by tile as in flash attention.
 //
 // Position p of row s comes from the pages (through the page table) when p < num_cached,
 // and from k_new / v_new when it is one of the step's own tokens; a query sees positions
 // up to its own. Nothing past a row's last query is ever read, so NaN there is harmless.
+// Every row's page ids, cached length and query offsets are checked before anything is
+// read.
 
 #include <algorithm>
 #include <atomic>
