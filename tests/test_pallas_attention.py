@@ -376,6 +376,8 @@ def test_resolve_backend():
     assert pallas_kernels.resolve_backend("auto", "cuda") == "pallas_gpu"
     assert pallas_kernels.resolve_backend("auto", "cpu") == "cpu"  # the kernel builds here
     assert pallas_kernels.resolve_backend("pallas_gpu", "cpu") == "pallas_gpu"
+    with pytest.raises(ValueError, match="XLA:CPU custom call; this is gpu"):
+        pallas_kernels.resolve_backend("cpu", "gpu")
     with pytest.raises(ValueError, match="not one of"):
         pallas_kernels.resolve_backend("flash", "cpu")
     with pytest.raises(ValueError, match="no attention backend for platform"):

@@ -83,6 +83,8 @@ def resolve_backend(backend: str, platform: str) -> str:
         return backend
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {('auto', *BACKENDS)}")
+    if backend == "cpu" and platform != "cpu":
+        raise ValueError(f"attention backend 'cpu' is an XLA:CPU custom call; this is {platform}")
     return backend
 
 
