@@ -144,6 +144,7 @@ struct Problem {
 
 struct Item {
   int32_t row, kv_head, first, count;  // new tokens first .. first + count - 1 of the row
+  int32_t last;                        // the latest position it reads
 };
 
 constexpr int kMaxQueries = kQueryBlock * kMaxGroup;
@@ -191,7 +192,7 @@ void attend(const Problem& pb, const Item& item) {
     denominator[i] = 0.0f;
     query_pos[i] = num_cached + item.first + i / group;
   }
-  const int32_t last = num_cached + item.first + item.count - 1;  // latest position read
+  const int32_t last = item.last;
 
   auto source = [&](int32_t pos, int which) -> const char* {  // which: 0 keys, 1 values
     if (pos < num_cached) {
@@ -368,11 +369,13 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   pb.sm_scale = sm_scale;
   std::memset(pb.out, 0, sizeof(float) * pb.num_tokens * pb.num_heads * pb.head_dim);
 
-  // Rows are checked before anything is read: a bad step is an error, never a stray read.
+  // Every row is checked while the items are listed, before anything is read: a bad step
+  // is an error, never a stray read.
   const int64_t num_seqs = seq_lens.dimensions()[0];
   if (pb.layer < 0 || pb.layer >= kv_dims[0])
     return ffi::Error::InvalidArgument("layer_index out of range");
-  for (int64_t s = 0; s < num_seqs; ++s) {
+  std::vector<Item> items;
+  for (int32_t s = 0; s < num_seqs; ++s) {
     const int64_t start = pb.query_starts[s], num_new = pb.query_starts[s + 1] - start;
     const int64_t num_cached = pb.seq_lens[s] - num_new;
     if (start < 0 || num_new < 0 || start + num_new > pb.num_tokens)
@@ -385,23 +388,15 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
       if (table[i] < 0 || table[i] >= pb.num_pages)
         return ffi::Error::InvalidArgument("page_table: a page id is out of range");
     }
-  }
-
-  std::vector<Item> items;
-  for (int32_t s = 0; s < num_seqs; ++s) {
-    const int32_t num_new = pb.query_starts[s + 1] - pb.query_starts[s];
     for (int32_t first = 0; first < num_new; first += kQueryBlock) {
-      for (int32_t k = 0; k < pb.num_kv_heads; ++k) {
-        items.push_back({s, k, first, std::min(kQueryBlock, num_new - first)});
-      }
+      const int32_t count = std::min<int32_t>(kQueryBlock, num_new - first);
+      const int32_t last = static_cast<int32_t>(num_cached) + first + count - 1;
+      for (int32_t k = 0; k < pb.num_kv_heads; ++k) items.push_back({s, k, first, count, last});
     }
   }
   // Longest contexts first, so the last items to finish are short ones.
-  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    const int32_t ea = pb.seq_lens[a.row] - (pb.query_starts[a.row + 1] - pb.query_starts[a.row]) + a.first;
-    const int32_t eb = pb.seq_lens[b.row] - (pb.query_starts[b.row + 1] - pb.query_starts[b.row]) + b.first;
-    return ea > eb;
-  });
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.last > b.last; });
   if (!items.empty()) run_items(pool, pb, items);
   return ffi::Error::Success();
 }
