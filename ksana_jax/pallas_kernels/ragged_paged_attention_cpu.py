@@ -9,10 +9,10 @@ per KV head, in tiles converted to float32, with an online softmax in float32, o
 intra-op threads.
 
 It is compiled at first use with the system C++ compiler (`$CXX`, default `g++`; flags
-`-O3 -march=native`) into ~/.cache/ksana-jax/kernels (or $KSANA_JAX_KERNEL_CACHE), keyed
-by the source, the compiler command, jaxlib's version and the machine, so a machine builds
-it once. `available()` says whether that worked; "auto" on CPU picks this backend when it
-does and the xla backend otherwise.
+`-O3 -march=native -fopenmp-simd`, no OpenMP runtime) into ~/.cache/ksana-jax/kernels (or
+$KSANA_JAX_KERNEL_CACHE), keyed by the source, the compiler command, jaxlib's version and
+the machine, so a machine builds it once. `available()` says whether that worked; "auto" on
+CPU picks this backend when it does and the xla backend otherwise.
 """
 
 from __future__ import annotations
