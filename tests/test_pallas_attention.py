@@ -81,23 +81,36 @@ BACKENDS = {
 }
 
 
-def make_batch(rows, *, num_kv_heads, group, head_dim, dtype=jnp.float32, seed=0):
+def make_batch(
+    rows,
+    *,
+    num_kv_heads,
+    group,
+    head_dim,
+    dtype=jnp.float32,
+    seed=0,
+    page_size=PAGE_SIZE,
+    pages_per_seq=PAGES_PER_SEQ,
+):
     """Arguments of the attention signature for `rows` [(cached, new)], KV NaN where unowned."""
     assert len(rows) <= NUM_SEQS and sum(n for _, n in rows) <= NUM_TOKENS
     rng = np.random.default_rng(seed)
-    kv = np.full((NUM_LAYERS, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), np.nan, np.float32)
-    page_table = rng.integers(0, NUM_PAGES, (NUM_SEQS, PAGES_PER_SEQ)).astype(np.int32)
+    num_pages_total = 1 + NUM_SEQS * pages_per_seq  # page 0 is the sink
+    kv = np.full(
+        (NUM_LAYERS, 2, num_kv_heads, num_pages_total, page_size, head_dim), np.nan, np.float32
+    )
+    page_table = rng.integers(0, num_pages_total, (NUM_SEQS, pages_per_seq)).astype(np.int32)
     page_table[len(rows) :] = 0  # padding rows point at the sink
     seq_lens = np.zeros(NUM_SEQS, np.int32)
     query_starts = np.zeros(NUM_SEQS + 1, np.int32)
-    free_pages = iter(rng.permutation(np.arange(1, NUM_PAGES)))
+    free_pages = iter(rng.permutation(np.arange(1, num_pages_total)))
     offset = 0
     for s, (num_cached, num_new) in enumerate(rows):
-        num_pages = -(-(num_cached + num_new) // PAGE_SIZE)
+        num_pages = -(-(num_cached + num_new) // page_size)
         page_table[s, :num_pages] = [next(free_pages) for _ in range(num_pages)]
         for pos in range(num_cached):
-            page = page_table[s, pos // PAGE_SIZE]
-            kv[LAYER, :, :, page, pos % PAGE_SIZE] = rng.standard_normal(
+            page = page_table[s, pos // page_size]
+            kv[LAYER, :, :, page, pos % page_size] = rng.standard_normal(
                 (2, num_kv_heads, head_dim)
             )
         seq_lens[s] = num_cached + num_new
@@ -190,6 +203,16 @@ def test_kernel_matches_oracle_bf16_kv(backend, num_kv_heads, group, head_dim):
         functools.partial(
             paged_attention_gpu.ragged_paged_attention, num_kv_splits=1, interpret=True
         ),
+        # 64-key chunks of 4 page ids: the long rows' cached keys span two chunks
+        functools.partial(
+            paged_attention_gpu.ragged_paged_attention,
+            block_k=16,
+            num_kv_splits=1,
+            page_ids_per_chunk=4,
+            num_warps=8,
+            num_stages=4,
+            interpret=True,
+        ),
         ragged_paged_attention_xla.ragged_paged_attention,
         # one-page chunks, single-query groups, two groups per loop step (many steps)
         functools.partial(
@@ -206,6 +229,7 @@ def test_kernel_matches_oracle_bf16_kv(backend, num_kv_heads, group, head_dim):
         "tpu_q8_8pages",
         "gpu_q8_k16_3splits",
         "gpu_1split",
+        "gpu_k16_4ids",
         "xla_defaults",
         "xla_c16_q1_g2",
         "xla_c128_q64",
@@ -215,6 +239,68 @@ def test_other_tuning_matches_oracle(attention):
     for seed, name in enumerate(["mixed", "prefill_chunks"]):
         args = make_batch(SCENARIOS[name], num_kv_heads=2, group=3, head_dim=64, seed=seed)
         check_against_oracle(attention, args, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [8, 24])
+def test_gpu_kernel_chunks_page_ids_for_any_page_size(page_size):
+    """The GPU kernel loads a chunk's page ids once and picks each block's from them. 16-key
+    blocks, 2 key splits, 4 page ids a chunk. Page size 8: a block spans two pages, and
+    32-key chunks give the long rows 2 chunks a split. Page size 24: blocks straddle pages;
+    64-key chunks, and splits of 80 keys, so the second chunk (key 64) and the second
+    split (key 80) start mid-page."""
+    attention = functools.partial(
+        paged_attention_gpu.ragged_paged_attention,
+        block_k=16,
+        num_kv_splits=2,
+        page_ids_per_chunk=4,
+        interpret=True,
+    )
+    pages_per_seq = -(-128 // page_size)
+    for seed, name in enumerate(["decode", "mixed", "prefill_chunks"]):
+        args = make_batch(
+            SCENARIOS[name],
+            num_kv_heads=2,
+            group=3,
+            head_dim=64,
+            seed=seed,
+            page_size=page_size,
+            pages_per_seq=pages_per_seq,
+        )
+        try:
+            check_against_oracle(attention, args, atol=1e-5)
+        except AssertionError as e:
+            raise AssertionError(f"scenario {name!r}: {e}") from None
+
+
+def test_gpu_default_splits_count_query_tiles():
+    """Programs are query tiles x KV heads x splits: decode rows are split until there are
+    about TARGET_PROGRAMS, a long prefill whose tiles already fill the GPU is not."""
+    gpu = paged_attention_gpu
+    assert gpu.TARGET_PROGRAMS == 1024
+    # 32 decode rows (32 tokens, 4-token tiles: one tile a row) x 8 KV heads at 4096 keys
+    assert gpu.num_query_tiles(32, 32, 4) == 32
+    assert gpu.default_num_kv_splits(32, 8, 4096, 64) == 4
+    # a 4096-token prefill in 32-token tiles: 128 tiles x 8 KV heads = 1024 programs
+    assert gpu.default_num_kv_splits(gpu.num_query_tiles(4096, 1, 32), 8, 8192, 64) == 1
+    # a short context is never cut below MIN_KEYS_PER_SPLIT keys a split
+    assert gpu.default_num_kv_splits(1, 1, 600, 64) == 600 // gpu.MIN_KEYS_PER_SPLIT
+
+
+def test_gpu_chunking_covers_every_page_a_chunk_touches():
+    """An independent count: for every chunk start a key split can produce, the pages its
+    keys touch fit in the page ids `_chunking` loads."""
+    for page_size in (1, 3, 8, 16, 24, 100):
+        for block_k in (16, 64):
+            for page_ids in (4, 64):
+                chunk_keys, chunk_pages = paged_attention_gpu._chunking(
+                    block_k, page_size, page_ids
+                )
+                assert chunk_keys % block_k == 0 and chunk_pages & (chunk_pages - 1) == 0
+                for start in range(0, 4 * page_size * block_k, block_k):
+                    touched = (start + chunk_keys - 1) // page_size - start // page_size + 1
+                    assert touched <= chunk_pages, (page_size, block_k, page_ids, start)
+                if chunk_keys > block_k:  # one block alone may need more
+                    assert chunk_pages <= page_ids
 
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", BF16_HEADS)

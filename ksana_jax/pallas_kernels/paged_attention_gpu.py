@@ -31,13 +31,18 @@ few rows still keeps every SM busy; the last split also takes the step's new key
 What each program loads, block by block (`block_k` keys):
   - cached keys/values: positions p of its split, pages page_table[row, p // page_size],
     slots p % page_size -- a gather with a mask (p < cached length), so slots the row does
-    not own are never read;
+    not own are never read. The page ids come CHUNK_PAGE_IDS at a time, loaded before the
+    chunk's block loop, so no block's K/V copy waits on a page-table load and Triton's
+    pipeliner keeps the next block's copies in flight (num_stages >= 3);
   - new keys/values: tokens from the row's first new token up to the tile's last token,
     masked causally (key token <= query token).
 Online-softmax state in registers, f32: running max m [M], denominator l [M],
 unnormalised output acc [M, H]. Masking selects (-inf scores, zero-filled loads), never
 multiplies. Each split writes (acc, m, l); the wrapper merges splits with the usual
 log-sum-exp rescaling and returns acc / l (0 where nothing was seen: padding tokens).
+
+Launch defaults (`default_launch`) were read off the kernel compiled for sm_90a without a
+GPU (`benchmarks/gpu_kernel_ptx.py`); `benchmarks/attention_sweep.py` times them on one.
 
 Dots run in the KV dtype accumulating in f32: for 16-bit KV the queries and
 probabilities are rounded to it (tensor cores); for f32 KV full IEEE f32 (no TF32).
@@ -58,6 +63,7 @@ from ksana_jax.pallas_kernels.attention_args import validate_attention_args
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 MIN_DOT_DIM = 16  # Triton's tl.dot needs M, N, K >= 16
+CHUNK_PAGE_IDS = 64  # page ids the cached-key loop holds in registers at a time
 
 
 def _next_pow2(n: int) -> int:
@@ -111,30 +117,67 @@ def _online_softmax_update(state, q, k, v, visible, *, sm_scale, dot_dtype):
     return acc, m_next, alpha * l_prev + jnp.sum(p, axis=1)
 
 
-def _attend_cached_keys(state, q, kv_ref, page_table_ref, where, key_range, update, block_k):
+def _attend_cached_keys(
+    state, q, kv_ref, page_table_ref, where, key_range, update, block_k, chunking
+):
     """Phase 1: keys [lo, hi) of the row's cached context, gathered block by block from the
-    pages. where = (layer, kv_head, row); masked-off slots are never read."""
+    pages. where = (layer, kv_head, row); masked-off slots are never read.
+
+    The keys go in chunks (`chunking` = keys and page ids per chunk, from `_chunking`). A
+    chunk's page ids are loaded once, before its block loop, and each block picks its own
+    from them in registers. Inside the loop every K/V address then follows from the loop
+    index alone, so Triton's pipeliner issues the next block's copies while this one
+    computes. With a page-table load in the loop the copies wait on it, and every block's
+    load latency is exposed.
+    """
     layer, kv_head, row = where
     lo, hi = key_range
     page_size, head_dim = kv_ref.shape[4:]
+    max_pages = page_table_ref.shape[1]
+    chunk_keys, chunk_pages = chunking
     lanes = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    page_lanes = jnp.arange(chunk_pages, dtype=jnp.int32)
 
-    def block(b, state):
-        positions = lo + b * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        valid = positions < hi
-        pages = plgpu.load(
-            page_table_ref.at[row, lax.div(positions, page_size)], mask=valid, other=0
+    def chunk(c, state):
+        start = lo + c * chunk_keys
+        first_page = lax.div(start, page_size)
+        table_slots = first_page + page_lanes
+        chunk_page_ids = plgpu.load(
+            page_table_ref.at[row, table_slots], mask=table_slots < max_pages, other=0
         )
-        # All-array indices (not a trailing slice): the interpreter's gather needs them.
-        slot = (pages[:, None], lax.rem(positions, page_size)[:, None], lanes)
-        mask = jnp.broadcast_to(valid[:, None], (block_k, head_dim))
-        k = plgpu.load(kv_ref.at[(layer, 0, kv_head, *slot)], mask=mask, other=0.0)
-        v = plgpu.load(kv_ref.at[(layer, 1, kv_head, *slot)], mask=mask, other=0.0)
-        visible = jnp.broadcast_to(valid[None, :], (q.shape[0], block_k))
-        return update(state, q, k, v, visible)
 
-    num_blocks = lax.div(jnp.maximum(hi - lo, 0) + block_k - 1, block_k)
-    return lax.fori_loop(0, num_blocks, block, state)
+        def block(b, state):
+            positions = start + b * block_k + jnp.arange(block_k, dtype=jnp.int32)
+            valid = positions < hi
+            local = lax.div(positions, page_size) - first_page
+            picked = local[:, None] == page_lanes[None, :]
+            pages = jnp.sum(jnp.where(picked, chunk_page_ids[None, :], 0), axis=1)
+            # All-array indices (not a trailing slice): the interpreter's gather needs them.
+            slot = (pages[:, None], lax.rem(positions, page_size)[:, None], lanes)
+            mask = jnp.broadcast_to(valid[:, None], (block_k, head_dim))
+            k = plgpu.load(kv_ref.at[(layer, 0, kv_head, *slot)], mask=mask, other=0.0)
+            v = plgpu.load(kv_ref.at[(layer, 1, kv_head, *slot)], mask=mask, other=0.0)
+            visible = jnp.broadcast_to(valid[None, :], (q.shape[0], block_k))
+            return update(state, q, k, v, visible)
+
+        keys = jnp.clip(hi - start, 0, chunk_keys)
+        return lax.fori_loop(0, lax.div(keys + block_k - 1, block_k), block, state)
+
+    num_chunks = lax.div(jnp.maximum(hi - lo, 0) + chunk_keys - 1, chunk_keys)
+    return lax.fori_loop(0, num_chunks, chunk, state)
+
+
+def _chunking(block_k: int, page_size: int, page_ids: int) -> tuple[int, int]:
+    """Keys per chunk of phase 1 (whole blocks) and the page ids it loads (a power of two,
+    <= page_ids unless one block alone needs more).
+
+    Chunks start at multiples of block_k: when page_size divides block_k that is a page
+    boundary and a chunk touches chunk_keys / page_size pages; otherwise up to one more.
+    """
+    extra = 0 if block_k % page_size == 0 else 1
+    blocks = max(1, ((page_ids - extra) * page_size) // block_k)
+    chunk_keys = blocks * block_k
+    return chunk_keys, _next_pow2(-(-chunk_keys // page_size) + extra)
 
 
 def _attend_new_keys(state, q, k_new_ref, v_new_ref, kv_head, key_range, q_tokens, update, block_k):
@@ -176,6 +219,7 @@ def _attention_kernel(
     block_q: int,
     block_k: int,
     keys_per_split: int,
+    page_ids_per_chunk: int,
     dot_dtype,
 ):
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -204,8 +248,9 @@ def _attention_kernel(
         lo = split * keys_per_split
         hi = jnp.minimum(num_cached, lo + keys_per_split)
         where = (layer_ref[0], kv_head, row)
+        chunking = _chunking(block_k, kv_ref.shape[4], page_ids_per_chunk)
         state = _attend_cached_keys(
-            state, q, kv_ref, page_table_ref, where, (lo, hi), update, block_k
+            state, q, kv_ref, page_table_ref, where, (lo, hi), update, block_k, chunking
         )
         # ---- phase 2 (last split only): new keys up to the tile's last token.
         is_last_split = split == pl.num_programs(2) - 1
@@ -245,7 +290,9 @@ def _query_tiles(query_starts, num_tiles: int, block_q: int):
     tiles_per_row = lax.div(counts + block_q - 1, block_q)
     tile_ends = jnp.cumsum(tiles_per_row)  # [S]
     ids = jnp.arange(num_tiles, dtype=jnp.int32)
-    rows = jnp.searchsorted(tile_ends, ids, side="right").astype(jnp.int32)
+    # compare_all: one fused op. The default binary search is an XLA while loop, and on a GPU
+    # every trip of one waits for the host: several launches around a ~0.1 ms kernel.
+    rows = jnp.searchsorted(tile_ends, ids, side="right", method="compare_all").astype(jnp.int32)
     safe_rows = jnp.minimum(rows, counts.shape[0] - 1)
     first_tile = tile_ends[safe_rows] - tiles_per_row[safe_rows]
     starts = query_starts[safe_rows] + (ids - first_tile) * block_q
@@ -260,17 +307,48 @@ def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
     return int(np.clip(_next_pow2(max(1, num_tokens // max(1, num_seqs))), lo, hi))
 
 
+def num_query_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """About how many query tiles a bucket's rows cut into: every row at least one."""
+    return max(num_seqs, -(-num_tokens // block_q))
+
+
 TARGET_PROGRAMS = 1024  # ~8 resident programs per SM on a 132-SM H200: enough loads in flight
 MIN_KEYS_PER_SPLIT = 256
 
 
-def default_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_k: int) -> int:
+def default_num_kv_splits(
+    num_query_tiles: int, num_kv_heads: int, max_context: int, block_k: int
+) -> int:
     """Key splits so that a decode batch keeps every SM streaming: about TARGET_PROGRAMS
-    programs, each still at least MIN_KEYS_PER_SPLIT keys (whole blocks), at most 64."""
-    programs = num_seqs * num_kv_heads
+    programs, each still at least MIN_KEYS_PER_SPLIT keys (whole blocks), at most 64.
+
+    Programs are query tiles x KV heads x splits, so a long prefill, whose tiles already
+    fill the GPU, gets few splits or none: each split writes a float32 partial output for
+    every query, which the merge then reads back.
+    """
+    programs = num_query_tiles * num_kv_heads
     splits = min(64, -(-TARGET_PROGRAMS // programs))
     longest = max(1, max_context // max(MIN_KEYS_PER_SPLIT, block_k))
     return max(1, min(splits, longest))
+
+
+def default_launch(block_q: int, group: int) -> tuple[int, int]:
+    """(num_warps, num_stages) for query tiles of block_q tokens x G_pad heads.
+
+    Read off the kernel compiled for sm_90a (pip triton 3.9, `ptxas -v`) at Llama-3-8B and
+    SmolLM2 shapes:
+      - decode-sized tiles (<= 32 query rows): 4 warps, 3 stages. Only from 3 stages does the
+        cached-key loop keep the next block's K/V copies in flight while it computes
+        (`cp.async.wait_group 2`; with 2 it waits for every copy at each block); 160
+        registers and 72 KB of shared memory at head dim 128, so 3 programs fit an SM.
+      - larger tiles: 8 warps, 2 stages. At 4 warps a 128-row tile at head dim 128 spills
+        (255 registers, 1.5 KB of spill stores); at 8 it does not, and 2 stages leave
+        room for 2 programs an SM (99 KB each).
+    `benchmarks/attention_sweep.py` times the alternatives on a GPU.
+    """
+    if block_q * _next_pow2(group) <= 32:
+        return 4, 3
+    return 8, 2
 
 
 def _merge_splits(acc, m, denom):
@@ -294,6 +372,7 @@ def _merge_splits(acc, m, denom):
         "num_kv_splits",
         "num_warps",
         "num_stages",
+        "page_ids_per_chunk",
         "interpret",
     ),
 )
@@ -311,8 +390,9 @@ def ragged_paged_attention(
     block_q: int | None = None,
     block_k: int = 64,
     num_kv_splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    page_ids_per_chunk: int = CHUNK_PAGE_IDS,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal GQA of a ragged batch over cached pages and new tokens (Pallas GPU kernel).
@@ -324,7 +404,8 @@ def ragged_paged_attention(
       block_k: keys per block, a power of two >= 16.
       num_kv_splits: slices of the cached context run in parallel (default:
         `default_num_kv_splits`).
-      num_warps, num_stages: Triton launch parameters.
+      num_warps, num_stages: Triton launch parameters (default: `default_launch`).
+      page_ids_per_chunk: page ids the cached-key loop holds in registers at a time.
       interpret: run on CPU with Pallas's interpreter.
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
@@ -346,11 +427,18 @@ def ragged_paged_attention(
         raise ValueError(f"block_k={block_k} must be a power of two >= {MIN_DOT_DIM}")
     max_context = max_pages * page_size
     if num_kv_splits is None:
-        num_kv_splits = default_num_kv_splits(num_seqs, num_kv_heads, max_context, block_k)
+        num_kv_splits = default_num_kv_splits(
+            num_query_tiles(num_tokens, num_seqs, block_q), num_kv_heads, max_context, block_k
+        )
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
     keys_per_split = -(-max_context // num_kv_splits)
     keys_per_split = -(-keys_per_split // block_k) * block_k
+    default_warps, default_stages = default_launch(block_q, group)
+    num_warps = default_warps if num_warps is None else num_warps
+    num_stages = default_stages if num_stages is None else num_stages
+    if page_ids_per_chunk < 4 or page_ids_per_chunk & (page_ids_per_chunk - 1):
+        raise ValueError(f"page_ids_per_chunk={page_ids_per_chunk} must be a power of two >= 4")
 
     dot_dtype = jnp.float32 if kv.dtype == jnp.float32 else kv.dtype
     q_groups = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(dot_dtype)
@@ -366,6 +454,7 @@ def ragged_paged_attention(
             block_q=block_q,
             block_k=block_k,
             keys_per_split=keys_per_split,
+            page_ids_per_chunk=page_ids_per_chunk,
             dot_dtype=dot_dtype,
         ),
         out_shape=(

@@ -393,7 +393,9 @@ def _rows_of_query_blocks(query_starts, num_blocks: int, block_q: int):
     last_tokens = jnp.minimum(starts + block_q, total) - 1
 
     def row_of(tokens):
-        rows = jnp.searchsorted(query_starts, tokens, side="right").astype(jnp.int32) - 1
+        # compare_all: one fused op, where the default binary search is a while loop.
+        rows = jnp.searchsorted(query_starts, tokens, side="right", method="compare_all")
+        rows = rows.astype(jnp.int32) - 1
         return jnp.clip(rows, 0, num_seqs - 1)
 
     last = jnp.where(starts < total, row_of(last_tokens), -1)
