@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 from conftest import write_tiny_hf
 
 import ksana_jax
 from ksana_jax import LLM
+from ksana_jax.pallas_kernels import reference
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -63,3 +65,46 @@ def test_attention_scripts_run(script):
     for backend in ("reference", "xla", "pallas_gpu"):
         assert proc.stdout.count(f"  {backend} ") == 2, proc.stdout  # one line per workload
     assert "x reference" in proc.stdout
+
+
+def test_attention_sweep_pieces_run_in_interpret_mode(monkeypatch):
+    """The sweep's measuring core and its description of the kernel's defaults, on a CPU
+    decode batch with the kernel interpreted: each config's output equals the oracle's."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sweep = load_script("attention_sweep")
+    attention = load_script("attention")
+    num_heads, num_kv_heads, head_dim = attention.MODELS["smollm2"]
+    rows = attention.WORKLOADS["decode"]["cpu"]
+    batch = attention.build_batch(rows, num_heads, num_kv_heads, head_dim, jnp.float32)
+    expected = reference.ragged_paged_attention(*batch, sm_scale=head_dim**-0.5)
+    configs = [sweep.DEFAULT, (2, 128, 8, 3)]
+    assert sweep.DEFAULT in sweep.CONFIGS
+    results = sweep.sweep(batch, expected, configs, repeats=1, calls=1, interpret=True)
+    assert sorted((r[1:5] for r in results), key=str) == sorted(configs, key=str)
+    for seconds, *_, err in results:
+        assert seconds > 0 and err < 1e-4
+    # 4 decode rows x 3 KV heads at 512 keys: too few programs, split to 256 keys each.
+    assert sweep.describe_defaults(batch, num_heads) == "block_q 4, 2 splits, 4 warps, 3 stages"
+
+
+def test_gpu_kernel_ptx_lowers_the_kernel_to_triton_ir(monkeypatch):
+    """The jax half of benchmarks/gpu_kernel_ptx.py (the triton half needs the `triton`
+    package, not a dependency): the kernel's Triton IR at the device-sized decode shapes,
+    with the launch it was asked for reaching the lowering."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    ptx_tool = load_script("gpu_kernel_ptx")
+    attention = load_script("attention")
+    num_heads, num_kv_heads, head_dim = attention.MODELS["llama3_8b"]
+    rows = attention.WORKLOADS["decode"]["device"]
+    shapes = ptx_tool.batch_shapes(rows, num_heads, num_kv_heads, head_dim, jnp.bfloat16)
+    ttir = ptx_tool.triton_ir(shapes, num_warps=4, num_stages=3)
+    assert "tt.func public @ragged_paged_attention_gpu" in ttir
+    assert ttir.count("tt.load") >= 4  # page ids, K and V of the cached and new keys
+    ptx = "cp.async.wait_group 0;\n\tcp.async.wait_group 2;\ncp.async.wait_group\t2;"
+    assert ptx_tool.wait_groups(ptx) == {0: 1, 2: 2}
+    if importlib.util.find_spec("triton") is not None:  # a developer machine with triton
+        report = ptx_tool.compile_report(ttir, num_warps=4, num_stages=3)
+        assert report["registers"] > 0 and report["shared_bytes"] > 0
+        # Both key loops, the cached and the new, keep the next block's copies in flight
+        # (with the page ids loaded inside the cached-key loop, only the new-key loop did).
+        assert sum(count for n, count in report["wait_groups"].items() if n > 0) >= 2
