@@ -137,3 +137,43 @@ def test_layer_kv_write_lowers_with_the_kv_aliased(writer, platform):
     module = exported.mlir_module()
     assert re.search(r"output_operand_aliases = \[#stablehlo.output_operand_alias", module)
     assert "tf.aliasing_output = 0" in module
+
+
+def test_engine_step_lowers_for_cuda_without_a_while_loop(tmp_path, monkeypatch):
+    """The whole jitted engine step (tiny model, pallas_gpu backend) lowered as a GPU would
+    trace it: Triton kernels for attention and the KV write, and no XLA while loop (on a GPU
+    every trip of one waits for the host)."""
+    from conftest import write_tiny_hf
+
+    import ksana_jax
+    from ksana_jax import runner
+    from ksana_jax.config import EngineConfig
+
+    write_tiny_hf(tmp_path / "hf", eos_token_id=None)
+    model = ksana_jax.load(tmp_path / "hf")
+    config = EngineConfig(
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=(32,),
+        seq_buckets=(4,),
+        context_buckets=(128,),
+        attention_backend="pallas_gpu",
+    )
+    step_runner = runner.ModelRunner(model, config)
+    inputs, sampling = step_runner.padding_inputs(32, 4, 128)
+
+    def step(params, kv, inputs, sampling):
+        return runner.engine_step(
+            params, model.config, kv, inputs, sampling, config.max_logprobs, "pallas_gpu"
+        )
+
+    kv = jax.ShapeDtypeStruct(step_runner.kv.shape, step_runner.kv.dtype)
+    # Traced as on a GPU: the model picks compiled kernels, not the interpreter.
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    exported = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=TRITON)(
+        model.params, kv, inputs, sampling
+    )
+    module = exported.mlir_module()
+    assert module.count(paged_attention_gpu.TRITON_CUSTOM_CALL) >= 2  # attention, KV write
+    assert "stablehlo.while" not in module
