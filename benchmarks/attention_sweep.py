@@ -20,29 +20,18 @@ from attention import MODELS, WORKLOADS, build_batch, bytes_read, copy_bandwidth
 
 from ksana_jax.pallas_kernels import paged_attention_gpu, reference
 
-SPLITS = (None, 1, 4, 16, 64)  # None: the kernel's default
-BLOCK_K = (64, 128)
-# (num_warps, num_stages); (None, None): the kernel's default_launch for the tile.
-LAUNCH = ((None, None), (4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
-DEFAULT = (None, 64, None, None)  # splits, block_k, warps, stages
+SPLITS = (None, 1, 4, 16)  # None: the kernel's default (paged_attention_gpu.resolve_tuning)
+BLOCK_K = (None, 32, 128)
+LAUNCH = ((None, None), (4, 2), (4, 3), (8, 2), (8, 3))  # (num_warps, num_stages)
+DEFAULT = (None, None, None, None)  # splits, block_k, warps, stages
 CONFIGS = [(s, k, w, st) for s, k, (w, st) in itertools.product(SPLITS, BLOCK_K, LAUNCH)]
 
 
-def describe_defaults(batch, num_heads: int) -> str:
+def describe_defaults(batch) -> str:
     """What the kernel picks for this batch when the caller names nothing."""
     q, kv, page_table = batch[0], batch[3], batch[5]
-    num_tokens, num_seqs = q.shape[0], page_table.shape[0]
-    num_kv_heads = kv.shape[2]
-    group = num_heads // num_kv_heads
-    block_q = paged_attention_gpu.default_block_q(num_tokens, num_seqs, group)
-    splits = paged_attention_gpu.default_num_kv_splits(
-        paged_attention_gpu.num_query_tiles(num_tokens, num_seqs, block_q),
-        num_kv_heads,
-        page_table.shape[1] * kv.shape[4],
-        64,
-    )
-    warps, stages = paged_attention_gpu.default_launch(block_q, group)
-    return f"block_q {block_q}, {splits} splits, {warps} warps, {stages} stages"
+    tuning = paged_attention_gpu.resolve_tuning(q.shape, kv.shape, kv.dtype, page_table.shape)
+    return ", ".join(f"{name} {value}" for name, value in tuning._asdict().items())
 
 
 def sweep(batch, expected, configs, *, repeats: int, calls: int, interpret: bool = False):
@@ -98,13 +87,13 @@ def main() -> None:
         ref_s = median_seconds(reference_call, 5, calls)
         print(
             f"\n{workload}: {len(rows)} rows, {moved / 1e6:.1f} MB; reference "
-            f"{ref_s * 1e3:.3f} ms; defaults: {describe_defaults(batch, num_heads)}"
+            f"{ref_s * 1e3:.3f} ms; defaults: {describe_defaults(batch)}"
         )
         results = sweep(batch, expected, CONFIGS, repeats=args.repeats, calls=calls)
         for seconds, splits, block_k, warps, stages, err in results[: args.top]:
             mark = " <- default" if (splits, block_k, warps, stages) == DEFAULT else ""
             print(
-                f"  splits={splits!s:4s} block_k={block_k:3d} warps={warps!s:4s} "
+                f"  splits={splits!s:4s} block_k={block_k!s:4s} warps={warps!s:4s} "
                 f"stages={stages!s:4s} {seconds * 1e3:7.3f} ms {moved / seconds / 1e9:8.1f} GB/s "
                 f"{moved / seconds / peak:6.1%} {ref_s / seconds:5.2f}x ref  err {err:.1e}{mark}"
             )

@@ -17,10 +17,10 @@ step() {  # step NAME SECONDS COMMAND...
     echo "== $name: exit ${PIPESTATUS[0]}"
 }
 step device 30 python -c "import jax; print(jax.__version__, jax.devices())"
-step tests 240 python -m pytest -q -m gpu -p no:cacheprovider \
+step tests 180 python -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_pallas_attention.py tests/test_pallas_write_kv.py tests/test_backends.py
 for model in llama3_8b smollm2; do
-    step "attention_$model" 120 python benchmarks/attention.py --model "$model" \
+    step "attention_$model" 90 python benchmarks/attention.py --model "$model" \
         --backends reference,pallas_gpu
 done
 for model in llama3_8b smollm2; do

@@ -152,7 +152,10 @@ def main() -> None:
     args = parser.parse_args()
 
     dtype = jnp.dtype(args.dtype)
-    print(f"sm_{args.arch}, KV {dtype.name}, page {PAGE_SIZE}; defaults as the kernel picks them")
+    print(
+        f"sm_{args.arch}, KV {dtype.name}, page {PAGE_SIZE}; block_q, block_k and key splits as"
+        " the kernel picks them (resolve_tuning)"
+    )
     print(
         f"{'model':10s} {'workload':12s} {'warps x stages':>14s} {'regs':>5s} {'spill B':>8s} "
         f"{'shared KB':>9s}  cp.async waits (N: count)"
@@ -162,11 +165,12 @@ def main() -> None:
         for workload in args.workloads.split(","):
             rows = WORKLOADS[workload]["device"]
             shapes = batch_shapes(rows, num_heads, num_kv_heads, head_dim, dtype)
-            group = num_heads // num_kv_heads
-            block_q = paged_attention_gpu.default_block_q(shapes[0].shape[0], len(rows), group)
+            tuning = paged_attention_gpu.resolve_tuning(
+                shapes[0].shape, shapes[3].shape, dtype, shapes[5].shape
+            )
             for launch in args.launch.split(","):
                 if launch == "default":
-                    warps, stages = paged_attention_gpu.default_launch(block_q, group)
+                    warps, stages = tuning.num_warps, tuning.num_stages
                     label = f"{warps}x{stages} (dflt)"
                 else:
                     warps, stages = (int(x) for x in launch.split("x"))

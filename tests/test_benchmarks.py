@@ -77,14 +77,16 @@ def test_attention_sweep_pieces_run_in_interpret_mode(monkeypatch):
     rows = attention.WORKLOADS["decode"]["cpu"]
     batch = attention.build_batch(rows, num_heads, num_kv_heads, head_dim, jnp.float32)
     expected = reference.ragged_paged_attention(*batch, sm_scale=head_dim**-0.5)
-    configs = [sweep.DEFAULT, (2, 128, 8, 3)]
+    configs = [sweep.DEFAULT, (2, 32, 8, 2)]
     assert sweep.DEFAULT in sweep.CONFIGS
     results = sweep.sweep(batch, expected, configs, repeats=1, calls=1, interpret=True)
     assert sorted((r[1:5] for r in results), key=str) == sorted(configs, key=str)
     for seconds, *_, err in results:
         assert seconds > 0 and err < 1e-4
     # 4 decode rows x 3 KV heads at 512 keys: too few programs, split to 256 keys each.
-    assert sweep.describe_defaults(batch, num_heads) == "block_q 4, 2 splits, 4 warps, 3 stages"
+    assert sweep.describe_defaults(batch) == (
+        "block_q 4, block_k 32, num_kv_splits 2, num_warps 4, num_stages 3"
+    )
 
 
 def test_gpu_kernel_ptx_lowers_the_kernel_to_triton_ir(monkeypatch):

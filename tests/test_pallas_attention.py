@@ -286,6 +286,32 @@ def test_gpu_default_splits_count_query_tiles():
     assert gpu.default_num_kv_splits(1, 1, 600, 64) == 600 // gpu.MIN_KEYS_PER_SPLIT
 
 
+def test_gpu_tuning_defaults_and_overrides():
+    """16-bit KV: 64-key blocks, tiles up to 128 query rows; float32 KV (3xTF32 dots, wider
+    in registers): 32-key blocks, tiles up to 4096 / head_dim rows. Named values win."""
+    resolve = paged_attention_gpu.resolve_tuning
+    kv = (1, 2, 8, 4097, 16, 128)  # Llama-3-8B-like: 8 KV heads x 128, 32 query heads
+    prefill = ((1024, 32, 128), kv, (1, 257))
+    bf16 = resolve(prefill[0], kv, jnp.bfloat16, prefill[2])
+    assert (bf16.block_q * 4, bf16.block_k, bf16.num_warps) == (128, 64, 8)
+    f32 = resolve(prefill[0], kv, jnp.float32, prefill[2])
+    assert (f32.block_q * 4, f32.block_k, f32.num_warps) == (4096 // 128, 32, 8)
+    decode = resolve((32, 32, 128), kv, jnp.bfloat16, (32, 257))
+    assert (decode.block_q, decode.num_warps, decode.num_stages) == (4, 4, 3)
+    given = resolve(
+        prefill[0],
+        kv,
+        jnp.bfloat16,
+        prefill[2],
+        block_q=8,
+        block_k=16,
+        num_kv_splits=5,
+        num_warps=2,
+        num_stages=1,
+    )
+    assert tuple(given) == (8, 16, 5, 2, 1)
+
+
 def test_gpu_chunking_covers_every_page_a_chunk_touches():
     """An independent count: for every chunk start a key split can produce, the pages its
     keys touch fit in the page ids `_chunking` loads."""

@@ -41,16 +41,18 @@ unnormalised output acc [M, H]. Masking selects (-inf scores, zero-filled loads)
 multiplies. Each split writes (acc, m, l); the wrapper merges splits with the usual
 log-sum-exp rescaling and returns acc / l (0 where nothing was seen: padding tokens).
 
-Launch defaults (`default_launch`) were read off the kernel compiled for sm_90a without a
-GPU (`benchmarks/gpu_kernel_ptx.py`); `benchmarks/attention_sweep.py` times them on one.
+Launch defaults (`resolve_tuning`) were read off the kernel compiled without a GPU
+(`benchmarks/gpu_kernel_ptx.py`); `benchmarks/attention_sweep.py` times them on one.
 
 Dots run in the KV dtype accumulating in f32: for 16-bit KV the queries and
-probabilities are rounded to it (tensor cores); for f32 KV full IEEE f32 (no TF32).
+probabilities are rounded to it (tensor cores); for f32 KV each dot is three TF32 products
+on the tensor cores (3xTF32: float32 accuracy; exact IEEE float32 in the interpreter).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -90,8 +92,7 @@ def kv_layout(
 # ----------------------------------------------------------------------------- kernel phases
 
 
-def _dot(a, b, dot_dtype, contract_b: int):
-    precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
+def _dot(a, b, dot_dtype, precision, contract_b: int):
     return lax.dot_general(
         a.astype(dot_dtype),
         b.astype(dot_dtype),
@@ -101,19 +102,29 @@ def _dot(a, b, dot_dtype, contract_b: int):
     )
 
 
-def _online_softmax_update(state, q, k, v, visible, *, sm_scale, dot_dtype):
+def _dot_precision(dot_dtype, interpret: bool):
+    """16-bit KV: the tensor cores' native products. Float32 KV: three TF32 products a dot
+    (`TF32_TF32_F32_X3`, float32 accuracy on the tensor cores) compiled -- an IEEE float32
+    dot is a loop of FMAs that spills 43 KB of registers at a 128-row prefill tile -- and
+    exact float32 in the interpreter, since XLA:CPU has no TF32."""
+    if dot_dtype != jnp.float32:
+        return None
+    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def _online_softmax_update(state, q, k, v, visible, *, sm_scale, dot_dtype, precision):
     """Folds one key block into (acc f32[M, H], m f32[M], l f32[M]).
 
     q [M, H]; k, v [block_k, H] with masked-out rows already zero; visible bool[M, block_k].
     """
     acc, m_prev, l_prev = state
-    scores = jnp.where(visible, _dot(q, k, dot_dtype, 1) * sm_scale, -jnp.inf)
+    scores = jnp.where(visible, _dot(q, k, dot_dtype, precision, 1) * sm_scale, -jnp.inf)
     m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
     # Rows that have seen nothing keep m = -inf; shift them by 0 so exp gives 0, not NaN.
     m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
     p = jnp.exp(scores - m_shift[:, None])
     alpha = jnp.exp(m_prev - m_shift)
-    acc = alpha[:, None] * acc + _dot(p, v, dot_dtype, 0)
+    acc = alpha[:, None] * acc + _dot(p, v, dot_dtype, precision, 0)
     return acc, m_next, alpha * l_prev + jnp.sum(p, axis=1)
 
 
@@ -221,12 +232,15 @@ def _attention_kernel(
     keys_per_split: int,
     page_ids_per_chunk: int,
     dot_dtype,
+    precision,
 ):
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, _, group_pad, head_dim = q_ref.shape
     rows_m = block_q * group_pad
     row = tile_rows_ref[tile]
-    update = functools.partial(_online_softmax_update, sm_scale=sm_scale, dot_dtype=dot_dtype)
+    update = functools.partial(
+        _online_softmax_update, sm_scale=sm_scale, dot_dtype=dot_dtype, precision=precision
+    )
 
     @pl.when(row >= 0)
     def _():
@@ -299,11 +313,22 @@ def _query_tiles(query_starts, num_tiles: int, block_q: int):
     return jnp.where(ids < tile_ends[-1], safe_rows, -1), starts
 
 
-def default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
-    """Tokens per query tile: about the mean row length, with block_q * G_pad in [16, 128]."""
+class Tuning(NamedTuple):
+    """A launch of the kernel: query tile, key block, key splits, Triton's parameters."""
+
+    block_q: int
+    block_k: int
+    num_kv_splits: int
+    num_warps: int
+    num_stages: int
+
+
+def default_block_q(num_tokens: int, num_seqs: int, group: int, max_rows: int = 128) -> int:
+    """Tokens per query tile: about the mean row length, with block_q * G_pad in
+    [16, max_rows]."""
     group_pad = _next_pow2(group)
     lo = max(1, MIN_DOT_DIM // group_pad)
-    hi = max(lo, 128 // group_pad)
+    hi = max(lo, max_rows // group_pad)
     return int(np.clip(_next_pow2(max(1, num_tokens // max(1, num_seqs))), lo, hi))
 
 
@@ -332,23 +357,66 @@ def default_num_kv_splits(
     return max(1, min(splits, longest))
 
 
-def default_launch(block_q: int, group: int) -> tuple[int, int]:
-    """(num_warps, num_stages) for query tiles of block_q tokens x G_pad heads.
+def resolve_tuning(
+    q_shape: tuple[int, ...],
+    kv_shape: tuple[int, ...],
+    kv_dtype,
+    page_table_shape: tuple[int, ...],
+    *,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_kv_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Tuning:
+    """The launch for a batch of these shapes: what the caller names, defaults for the rest.
 
-    Read off the kernel compiled for sm_90a (pip triton 3.9, `ptxas -v`) at Llama-3-8B and
-    SmolLM2 shapes:
-      - decode-sized tiles (<= 32 query rows): 4 warps, 3 stages. Only from 3 stages does the
-        cached-key loop keep the next block's K/V copies in flight while it computes
-        (`cp.async.wait_group 2`; with 2 it waits for every copy at each block); 160
-        registers and 72 KB of shared memory at head dim 128, so 3 programs fit an SM.
-      - larger tiles: 8 warps, 2 stages. At 4 warps a 128-row tile at head dim 128 spills
-        (255 registers, 1.5 KB of spill stores); at 8 it does not, and 2 stages leave
-        room for 2 programs an SM (99 KB each).
+    The defaults were read off the kernel compiled for sm_80, sm_89 and sm_90a without a
+    GPU (`benchmarks/gpu_kernel_ptx.py`: Triton 3.9 and `ptxas -v`) at Llama-3-8B and SmolLM2
+    shapes, for no register spills (a few dozen bytes on sm_80/89), shared memory under the
+    99 KB a program may use on sm_86/89, and copies kept in flight where that fits;
     `benchmarks/attention_sweep.py` times the alternatives on a GPU.
+      - 16-bit KV: 64-key blocks, tiles of up to 128 query rows (tokens x G_pad). Tiles of
+        <= 32 rows (decode) run 4 warps, 3 stages: only from 3 stages does the cached-key
+        loop keep the next block's K/V copies in flight while it computes
+        (`cp.async.wait_group 2`; with 2 it waits for every copy at each block). Larger
+        tiles run 8 warps (at 4, a 128-row tile at head dim 128 spills 1.5 KB of
+        registers), 2 stages (2 programs of 97 KB fit an H100's SM).
+      - float32 KV (3xTF32 dots; twice the bytes of 16-bit KV in registers and shared
+        memory): 32-key blocks and tiles of up to 4096 / head_dim rows (64-key blocks or
+        128-row tiles spill, or pass even an H100's 227 KB). Decode tiles run 4 warps, 3
+        stages (84 KB at head dim 128); from 32 rows on 8 warps, 2 stages (72 KB; 3 stages
+        would take 104).
     """
-    if block_q * _next_pow2(group) <= 32:
-        return 4, 3
-    return 8, 2
+    num_tokens, num_heads, head_dim = q_shape
+    num_kv_heads, page_size = kv_shape[2], kv_shape[4]
+    num_seqs, max_pages = page_table_shape
+    group = num_heads // num_kv_heads
+    wide = jnp.dtype(kv_dtype) == jnp.float32
+    if block_q is None:
+        max_rows = int(np.clip(4096 // head_dim, MIN_DOT_DIM, 128)) if wide else 128
+        block_q = default_block_q(num_tokens, num_seqs, group, max_rows)
+    if block_k is None:
+        block_k = 32 if wide else 64
+    if num_kv_splits is None:
+        num_kv_splits = default_num_kv_splits(
+            num_query_tiles(num_tokens, num_seqs, block_q),
+            num_kv_heads,
+            max_pages * page_size,
+            block_k,
+        )
+    rows = block_q * _next_pow2(group)
+    if wide:
+        warps, stages = (8, 2) if rows >= 32 else (4, 3)
+    else:
+        warps, stages = (4, 3) if rows <= 32 else (8, 2)
+    return Tuning(
+        block_q,
+        block_k,
+        num_kv_splits,
+        warps if num_warps is None else num_warps,
+        stages if num_stages is None else num_stages,
+    )
 
 
 def _merge_splits(acc, m, denom):
@@ -388,7 +456,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     block_q: int | None = None,
-    block_k: int = 64,
+    block_k: int | None = None,
     num_kv_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -399,12 +467,12 @@ def ragged_paged_attention(
 
     Args: as `reference.ragged_paged_attention` (q [T, N, H], k_new/v_new [T, K, H],
       kv [L, 2, K, num_pages, page_size, H], layer_index i32[], page_table i32[S, P],
-      seq_lens i32[S], query_starts i32[S+1], sm_scale), plus tuning:
-      block_q: tokens per query tile, a power of two (default: `default_block_q`).
+      seq_lens i32[S], query_starts i32[S+1], sm_scale), plus tuning (each one not named
+      comes from `resolve_tuning`):
+      block_q: tokens per query tile, a power of two.
       block_k: keys per block, a power of two >= 16.
-      num_kv_splits: slices of the cached context run in parallel (default:
-        `default_num_kv_splits`).
-      num_warps, num_stages: Triton launch parameters (default: `default_launch`).
+      num_kv_splits: slices of the cached context run in parallel.
+      num_warps, num_stages: Triton launch parameters.
       page_ids_per_chunk: page ids the cached-key loop holds in registers at a time.
       interpret: run on CPU with Pallas's interpreter.
     Returns: f32[T, N, H]; zeros for padding tokens.
@@ -416,8 +484,17 @@ def ragged_paged_attention(
     num_seqs, max_pages = page_table.shape
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group)
-    if block_q is None:
-        block_q = default_block_q(num_tokens, num_seqs, group)
+    block_q, block_k, num_kv_splits, num_warps, num_stages = resolve_tuning(
+        q.shape,
+        kv.shape,
+        kv.dtype,
+        page_table.shape,
+        block_q=block_q,
+        block_k=block_k,
+        num_kv_splits=num_kv_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     if block_q & (block_q - 1) or block_q * group_pad < MIN_DOT_DIM:
         raise ValueError(
             f"block_q={block_q} must be a power of two with block_q * G_pad >= {MIN_DOT_DIM} "
@@ -425,22 +502,15 @@ def ragged_paged_attention(
         )
     if block_k < MIN_DOT_DIM or block_k & (block_k - 1):
         raise ValueError(f"block_k={block_k} must be a power of two >= {MIN_DOT_DIM}")
-    max_context = max_pages * page_size
-    if num_kv_splits is None:
-        num_kv_splits = default_num_kv_splits(
-            num_query_tiles(num_tokens, num_seqs, block_q), num_kv_heads, max_context, block_k
-        )
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
-    keys_per_split = -(-max_context // num_kv_splits)
+    keys_per_split = -(-(max_pages * page_size) // num_kv_splits)
     keys_per_split = -(-keys_per_split // block_k) * block_k
-    default_warps, default_stages = default_launch(block_q, group)
-    num_warps = default_warps if num_warps is None else num_warps
-    num_stages = default_stages if num_stages is None else num_stages
     if page_ids_per_chunk < 4 or page_ids_per_chunk & (page_ids_per_chunk - 1):
         raise ValueError(f"page_ids_per_chunk={page_ids_per_chunk} must be a power of two >= 4")
 
     dot_dtype = jnp.float32 if kv.dtype == jnp.float32 else kv.dtype
+    precision = _dot_precision(dot_dtype, interpret)
     q_groups = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(dot_dtype)
     q_groups = jnp.pad(q_groups, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
     num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs
@@ -456,6 +526,7 @@ def ragged_paged_attention(
             keys_per_split=keys_per_split,
             page_ids_per_chunk=page_ids_per_chunk,
             dot_dtype=dot_dtype,
+            precision=precision,
         ),
         out_shape=(
             jax.ShapeDtypeStruct((*state_shape, head_dim), jnp.float32),
