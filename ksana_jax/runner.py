@@ -107,7 +107,11 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.for_model(
             model.config, self.num_pages, config.page_size, kv_dtype
         )
-        self.backend = resolve_backend(config.attention_backend, jax.default_backend())
+        self.backend = resolve_backend(
+            config.attention_backend,
+            jax.default_backend(),
+            getattr(jax.local_devices()[0], "compute_capability", None),
+        )
         check_kv_layout(self.backend, self.kv_spec.shape, self.kv_spec.dtype)
         self.kv = allocate_kv(self.kv_spec, self.plan.kv_sharding(self.kv_spec.shape))
         # The cpu and xla backends loop over each sequence's own context, so the page

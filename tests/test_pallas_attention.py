@@ -496,6 +496,21 @@ def test_resolve_backend():
         pallas_kernels.resolve_backend("auto", "metal")
 
 
+def test_resolve_backend_on_gpus_xla_compiles_no_triton_for():
+    """XLA compiles Triton only from compute capability 8.0 (Ampere): a T4 (7.5) gets the
+    reference from "auto", and a clear error for an explicit pallas_gpu."""
+    resolve = pallas_kernels.resolve_backend
+    for capability in ("8.0", "8.9", "9.0", "10.0", None, "gfx90a"):
+        assert resolve("auto", "gpu", capability) == "pallas_gpu"
+        assert resolve("pallas_gpu", "gpu", capability) == "pallas_gpu"
+    with pytest.warns(UserWarning, match=r"compute capability 7\.5.*using the reference"):
+        assert resolve("auto", "gpu", "7.5") == "reference"
+    with pytest.raises(ValueError, match=r"needs compute capability 8\.0.*this GPU has 7\.0"):
+        resolve("pallas_gpu", "cuda", "7.0")
+    assert resolve("reference", "gpu", "7.5") == "reference"
+    assert resolve("auto", "tpu", "7.5") == "pallas_tpu"  # a capability means nothing there
+
+
 def test_get_attention_and_writer():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -63,10 +63,17 @@ KVWriteFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 LayerKVWriteFn = Callable[..., jax.Array]
 
 
-def resolve_backend(backend: str, platform: str) -> str:
+def resolve_backend(backend: str, platform: str, compute_capability: str | None = None) -> str:
     """Concrete backend name: "auto" becomes the kernel for `platform` (tpu -> pallas_tpu,
     gpu/cuda -> pallas_gpu, cpu -> cpu, or xla with a warning when the cpu kernel cannot be
-    built here); a concrete name is checked and returned."""
+    built here); a concrete name is checked and returned.
+
+    `compute_capability` is the GPU's (jax's `device.compute_capability`, e.g. "7.5"). XLA
+    compiles Triton, and so the pallas_gpu kernels, only from Ampere (8.0) on: on an older
+    CUDA GPU (a T4, Colab's commonest) "auto" is "reference" with a warning, and an explicit
+    "pallas_gpu" is a ValueError rather than a compile error at the first step.
+    """
+    before_ampere = platform in ("gpu", "cuda") and _cuda_before_ampere(compute_capability)
     if backend == "auto":
         if platform not in AUTO_BACKEND:
             raise ValueError(
@@ -80,12 +87,35 @@ def resolve_backend(backend: str, platform: str) -> str:
                 stacklevel=2,
             )
             return "xla"
+        if backend == "pallas_gpu" and before_ampere:
+            warnings.warn(
+                f"this GPU has compute capability {compute_capability}; XLA compiles the "
+                "pallas_gpu (Triton) kernels only from 8.0 (Ampere) on: using the reference "
+                "attention backend",
+                stacklevel=2,
+            )
+            return "reference"
         return backend
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {('auto', *BACKENDS)}")
     if backend == "cpu" and platform != "cpu":
         raise ValueError(f"attention backend 'cpu' is an XLA:CPU custom call; this is {platform}")
+    if backend == "pallas_gpu" and before_ampere:
+        raise ValueError(
+            f"attention backend 'pallas_gpu' needs compute capability 8.0 (Ampere) or newer: "
+            f"XLA compiles Triton kernels only there, and this GPU has {compute_capability}; "
+            "use 'reference' (or 'auto')"
+        )
     return backend
+
+
+def _cuda_before_ampere(compute_capability: str | None) -> bool:
+    """True for an NVIDIA compute capability below 8.0 ("7.5"); False for None or anything
+    that is not one (a ROCm "gfx90a")."""
+    try:
+        return int(str(compute_capability).split(".")[0]) < 8
+    except ValueError:
+        return False
 
 
 def _cpu_kernel():
