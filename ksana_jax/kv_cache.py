@@ -26,19 +26,23 @@ KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 FLOAT16_MAX = 65504.0
 
 
-def resolve_kv_dtype(kv_cache_dtype: str, param_dtype: str, platform: str) -> str:
+def resolve_kv_dtype(
+    kv_cache_dtype: str, param_dtype: str, platform: str, backend: str | None = None
+) -> str:
     """The KV array's dtype: explicit, or "auto" = the parameters' dtype, except float16 for
     bfloat16 models on CPU: XLA:CPU lowers a bfloat16 scatter by converting the whole
     operand to float32 and back (measured: seconds per step and two KV-sized temporaries),
     while a float16 (or float32) scatter updates the donated array in place. float16 has
     more mantissa bits than bfloat16 (10 vs 7) and half float32's bytes, which decode
     attention reads every step; K/V beyond its range (65504) are clipped (`to_kv_dtype`).
+    Not for the pallas_tpu backend (interpreted on CPU): Mosaic loads no float16 vectors.
     """
     if kv_cache_dtype not in KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {kv_cache_dtype!r}")
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
-    return "float16" if platform == "cpu" and param_dtype == "bfloat16" else param_dtype
+    cpu_kv = platform == "cpu" and backend != "pallas_tpu"
+    return "float16" if cpu_kv and param_dtype == "bfloat16" else param_dtype
 
 
 def to_kv_dtype(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -103,6 +107,7 @@ def num_pages_for_budget(cfg: ModelConfig, page_size: int, dtype: str, budget_by
     return int(budget_bytes // per_page)
 
 
-def allocate_kv(spec: KVCacheSpec, sharding: jax.sharding.Sharding | None = None) -> jax.Array:
-    """Zero-filled KV array of `spec.shape`, created directly on device (and sharding)."""
+def allocate_kv(spec: KVCacheSpec, sharding=None) -> jax.Array:
+    """Zero-filled KV array of `spec.shape`, created directly on device, in `sharding` (a
+    Sharding, or a Format: sharding and layout)."""
     return jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)()

@@ -14,11 +14,12 @@ others, which run the same step.
 
 from __future__ import annotations
 
-import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
 from tqdm import tqdm
 
 from ksana_jax import multihost
@@ -42,10 +43,7 @@ GIB = 1 << 30
 MAX_SUPPRESSED_IDS = 8  # EOS + stop_token_ids banned while a request is below min_tokens
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "max_logprobs", "backend"), donate_argnames=("kv",)
-)
-def engine_step(
+def _engine_step(
     params: llama.LlamaParams,
     cfg: ModelConfig,
     kv: jax.Array,
@@ -59,6 +57,37 @@ def engine_step(
     last = jnp.maximum(inputs.query_starts[1:] - 1, 0)  # [S]
     logits = llama.logits(params, hidden[last])
     return sample(logits, sampling, max_logprobs), kv
+
+
+_STEP_JIT = dict(static_argnames=("cfg", "max_logprobs", "backend"), donate_argnames=("kv",))
+engine_step = jax.jit(_engine_step, **_STEP_JIT)
+_step_functions = weakref.WeakSet({engine_step})  # every jitted step, for compile_count
+
+
+# Platforms whose default array layouts can put the KV's dims out of order (a TPU does, see
+# kv_row_major_format); CPU and GPU lay arrays out row-major by default.
+PINNED_KV_PLATFORMS = ("tpu",)
+
+
+def kv_row_major_format(sharding: jax.sharding.Sharding) -> Format:
+    """The KV array's format with its dims in order, minor-most last: what every kernel
+    indexes. A TPU lays out an array by default as it sees fit: for [L, 2, K, pages, page,
+    64] (head dim below its 128 lanes) that is the pages dim minor-most. Then XLA would wrap
+    the Mosaic kernels in two whole-KV relayout copies every step (twice the KV's memory),
+    found by compiling for a TPU topology (benchmarks/tpu_kernel_compile.py)."""
+    return Format(Layout(major_to_minor=tuple(range(6))), sharding)
+
+
+def kv_pinned_engine_step(kv_format: Format):
+    """engine_step with the KV argument and result held in `kv_format`."""
+    step = jax.jit(
+        _engine_step,
+        in_shardings=(None, kv_format, None, None),  # params, kv, inputs, sampling
+        out_shardings=(None, kv_format),
+        **_STEP_JIT,
+    )
+    _step_functions.add(step)
+    return step
 
 
 def _bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
@@ -95,7 +124,13 @@ class ModelRunner:
     def __init__(self, model: Model, config: EngineConfig):
         self.model = model
         self.config = config
-        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, model.dtype, jax.default_backend())
+        platform = jax.default_backend()
+        self.backend = resolve_backend(
+            config.attention_backend,
+            platform,
+            getattr(jax.local_devices()[0], "compute_capability", None),
+        )
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, model.dtype, platform, self.backend)
         self.plan = model.plan
         self.num_pages = resolve_num_pages(config, model.config, kv_dtype, self.plan.kv_head_shards)
         if self.num_pages - 1 < config.max_pages_per_seq:
@@ -107,13 +142,13 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.for_model(
             model.config, self.num_pages, config.page_size, kv_dtype
         )
-        self.backend = resolve_backend(
-            config.attention_backend,
-            jax.default_backend(),
-            getattr(jax.local_devices()[0], "compute_capability", None),
-        )
         check_kv_layout(self.backend, self.kv_spec.shape, self.kv_spec.dtype)
-        self.kv = allocate_kv(self.kv_spec, self.plan.kv_sharding(self.kv_spec.shape))
+        kv_sharding = self.plan.kv_sharding(self.kv_spec.shape)
+        self.step = engine_step
+        if platform in PINNED_KV_PLATFORMS:
+            kv_sharding = kv_row_major_format(kv_sharding)
+            self.step = kv_pinned_engine_step(kv_sharding)
+        self.kv = allocate_kv(self.kv_spec, kv_sharding)
         # The cpu and xla backends loop over each sequence's own context, so the page
         # table's width costs them nothing: one context bucket (the largest) saves compiling
         # the others.
@@ -131,7 +166,7 @@ class ModelRunner:
             self.channel.send(inputs, sampling)
         inputs, sampling = self.plan.put_replicated((inputs, sampling))
         with self.plan.activate():
-            out, self.kv = engine_step(
+            out, self.kv = self.step(
                 self.model.params,
                 self.model.config,
                 self.kv,
@@ -224,5 +259,5 @@ class ModelRunner:
 
 
 def compile_count() -> int:
-    """Entries in the engine step's jit cache (one per compiled shape)."""
-    return engine_step._cache_size()
+    """Entries in the jit caches of every engine step (one per compiled shape)."""
+    return sum(step._cache_size() for step in _step_functions)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import pytest
 from conftest import write_tiny_hf
@@ -110,3 +111,20 @@ def test_gpu_kernel_ptx_lowers_the_kernel_to_triton_ir(monkeypatch):
         # Both key loops, the cached and the new, keep the next block's copies in flight
         # (with the page ids loaded inside the cached-key loop, only the new-key loop did).
         assert sum(count for n, count in report["wait_groups"].items() if n > 0) >= 2
+
+
+def test_tpu_kernel_compile_lists_the_current_kernels(monkeypatch):
+    """benchmarks/tpu_kernel_compile.py needs libtpu to compile (not installed here); its
+    kernel list still lowers for TPU with the kernels' current signatures."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    tool = load_script("tpu_kernel_compile")
+    found = tool.kernels(30, 9, 3, 64, jnp.bfloat16)
+    assert [name for name, *_ in found] == [
+        "attention/mixed",
+        "attention/decode",
+        "write_kv_pages",
+        "write_layer_kv",
+    ]
+    for _, fn, shapes in found:
+        exported = jax.export.export(fn, platforms=["tpu"])(*shapes)
+        assert "tpu_custom_call" in exported.mlir_module()

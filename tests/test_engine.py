@@ -240,6 +240,35 @@ def test_bfloat16_engine_keeps_a_float16_kv_on_cpu(tiny_model):
     assert llm.engine.runner.kv.dtype == jax.numpy.float16  # see kv_cache.resolve_kv_dtype
     out = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [12, 12, 12]
+    # The TPU kernel (interpreted here) keeps bfloat16: Mosaic loads no float16 vectors.
+    tpu_config = {**BASE, "page_size": 16}  # Mosaic's bfloat16 tiling: 16-row pages
+    tpu = LLM(
+        tiny_model, warm_up=False, dtype="bfloat16", attention_backend="pallas_tpu", **tpu_config
+    )
+    assert tpu.engine.runner.kv.dtype == jax.numpy.bfloat16
+
+
+def test_pinned_kv_layout_path_generates_the_same_tokens(tiny_model, monkeypatch):
+    """On a TPU the runner holds the KV row-major through a jitted step whose KV argument and
+    result are pinned to that layout (runner.kv_row_major_format). That path, forced here on
+    CPU: same greedy tokens as the plain step, the KV donated and kept in the layout, and
+    its compilations counted."""
+    from ksana_jax import runner
+
+    plain = LLM(tiny_model, warm_up=False, **BASE)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    monkeypatch.setattr(runner, "PINNED_KV_PLATFORMS", (jax.default_backend(),))
+    before = compile_count()
+    llm = LLM(tiny_model, warm_up=False, **BASE)
+    step_runner = llm.engine.runner
+    assert step_runner.step is not runner.engine_step
+    kv = step_runner.kv
+    assert kv.format.layout.major_to_minor == tuple(range(6))
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == want
+    assert kv.is_deleted()  # donated to the first step
+    assert step_runner.kv.format.layout.major_to_minor == tuple(range(6))
+    assert compile_count() > before
 
 
 # --------------------------------------------------------------------------- prefix cache

@@ -84,8 +84,16 @@ def kv_layout(
     """The KV array this kernel reads: [L, 2, K, num_pages, page_size, H] (kv_cache.py's).
 
     Each (layer, K/V, KV head, page) is one contiguous [page_size, H] tile, copied by one
-    DMA. Raises ValueError if page_size breaks Mosaic's sublane tiling for `dtype`.
+    DMA. Raises ValueError for a float16 KV array (Mosaic compiles no float16 vector load:
+    "Invalid vector type for load" on v4, v5e, v5p and v6e alike, found by
+    benchmarks/tpu_kernel_compile.py) and if page_size breaks Mosaic's sublane tiling for
+    `dtype`.
     """
+    if np.dtype(dtype) == np.float16:
+        raise ValueError(
+            "kv_cache_dtype float16 cannot be read on TPU (Mosaic has no float16 vector "
+            "loads); use bfloat16 or float32"
+        )
     tile = _sublane_tile(dtype)
     if page_size % tile:
         raise ValueError(

@@ -1,0 +1,193 @@
+"""The Pallas TPU kernels compiled by Mosaic for real TPU generations, on a machine without one.
+
+`jax.export` (tests/test_pallas_export.py) runs the Pallas-to-Mosaic lowering and its
+block-shape rules; Mosaic's own compiler (vector layouts, tiling of every op) runs only in
+libtpu. With libtpu installed, jax compiles ahead of time for a TPU topology it only
+describes (`jax.experimental.topologies`), so this compiles the attention kernel and the
+two KV writes at SmolLM2 and Llama-3-8B-like shapes (bfloat16 and float32) for each TPU
+generation, and prints which compile and how long each took. A kernel that fails here
+(`Mosaic failed to compile TPU kernel: ...`) would fail on the TPU. Nothing runs.
+`--engine-step` also compiles the whole SmolLM2 engine step and counts its whole-KV copies,
+with the KV in the TPU's default layout and pinned row-major (as the runner holds it).
+
+libtpu must match jax (jax 0.10.2: libtpu 0.0.42.*). Install it beside, not into, the
+project's environment (with libtpu importable, every jax process looks for a TPU first):
+
+    pip install --no-deps --target /tmp/libtpu "libtpu==0.0.42.*"
+    PYTHONPATH=/tmp/libtpu TPU_WORKER_HOSTNAMES=localhost \\
+        python benchmarks/tpu_kernel_compile.py [--topologies v4:2x2x1,v5e:2x2,v5p:2x2x1,v6e:2x2]
+        [--engine-step]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ksana_jax.pallas_kernels import ragged_paged_attention_tpu, write_kv_pages_tpu
+
+# (name, layers, query heads, KV heads, head dim), as tests/test_pallas_export.py.
+MODELS = [("smollm2", 30, 9, 3, 64), ("llama3_8b", 32, 32, 8, 128)]
+PAGE_SIZE, NUM_PAGES, PAGES_PER_SEQ = 16, 512, 64  # contexts up to 1024
+# (T tokens, S rows): a mixed bucket (8 tokens a row: 8-token query blocks) and a decode
+# bucket (one token a row: the smallest query blocks).
+BUCKETS = {"mixed": (128, 16), "decode": (64, 64)}
+
+
+def kernels(num_layers, num_heads, num_kv_heads, head_dim, dtype):
+    """(name, jitted function, argument shapes) of each TPU kernel at these shapes."""
+    sds = jax.ShapeDtypeStruct
+    kv = sds((num_layers, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), dtype)
+    i32 = jnp.int32
+    attention = jax.jit(
+        functools.partial(
+            ragged_paged_attention_tpu.ragged_paged_attention, sm_scale=head_dim**-0.5
+        )
+    )
+    found = []
+    for bucket, (num_tokens, num_seqs) in BUCKETS.items():
+        new = sds((num_tokens, num_kv_heads, head_dim), dtype)
+        attention_args = (
+            sds((num_tokens, num_heads, head_dim), jnp.float32),
+            new,
+            new,
+            kv,
+            sds((), i32),
+            sds((num_seqs, PAGES_PER_SEQ), i32),
+            sds((num_seqs,), i32),
+            sds((num_seqs + 1,), i32),
+        )
+        found.append((f"attention/{bucket}", attention, attention_args))
+    num_tokens = BUCKETS["mixed"][0]
+    new = sds((num_tokens, num_kv_heads, head_dim), dtype)
+    all_layers = sds((num_layers, 2, num_tokens, num_kv_heads, head_dim), dtype)
+    slots = sds((num_tokens,), i32)
+    return [
+        *found,
+        (
+            "write_kv_pages",
+            jax.jit(write_kv_pages_tpu.write_kv_pages, donate_argnums=0),
+            (kv, all_layers, slots),
+        ),
+        (
+            "write_layer_kv",
+            jax.jit(write_kv_pages_tpu.write_layer_kv, donate_argnums=0),
+            (kv, sds((), i32), new, new, slots),
+        ),
+    ]
+
+
+def compile_for(topology: str, fn, shapes) -> float:
+    """Seconds to compile `fn` for one chip of `topology` (raises what Mosaic raises)."""
+    devices = topologies.get_topology_desc(topology, "tpu").devices
+    replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+    placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated) for s in shapes]
+    start = time.perf_counter()
+    fn.lower(*placed).compile()
+    return time.perf_counter() - start
+
+
+def engine_step_report(topology: str, model, pinned: bool) -> str:
+    """Compiles the whole engine step (pallas_tpu, a 32-row decode bucket) for `topology`
+    and says how many KV-sized copies and how much temporary memory it has. `pinned`: the
+    KV argument and result in row-major format, as the runner holds them on a TPU."""
+    from ksana_jax import runner
+    from ksana_jax.config import EngineConfig
+
+    config = EngineConfig(
+        max_model_len=1024,
+        num_pages=1024,
+        max_num_seqs=32,
+        max_num_batched_tokens=32,
+        token_buckets=(32,),
+        seq_buckets=(32,),
+        context_buckets=(1024,),
+        attention_backend="pallas_tpu",
+    )
+    step_runner = runner.ModelRunner(model, config)  # on this CPU: for its shapes only
+    inputs, sampling = step_runner.padding_inputs(32, 32, 1024)
+    devices = topologies.get_topology_desc(topology, "tpu").devices
+    replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+    kv_format = runner.kv_row_major_format(replicated)
+    step = runner.kv_pinned_engine_step(kv_format) if pinned else runner.engine_step
+
+    def on_tpu(tree, sharding=replicated):
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
+        )
+
+    kv = on_tpu(step_runner.kv, kv_format if pinned else replicated)
+    default_backend = jax.default_backend
+    jax.default_backend = lambda: "tpu"  # trace the model as on a TPU: compiled kernels
+    try:
+        lowered = step.lower(
+            on_tpu(model.params),
+            model.config,
+            kv,
+            on_tpu(inputs),
+            on_tpu(sampling),
+            config.max_logprobs,
+            "pallas_tpu",
+        )
+    finally:
+        jax.default_backend = default_backend
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    hlo_type = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(step_runner.kv.dtype).name]
+    kv_type = hlo_type + str(list(step_runner.kv.shape)).replace(" ", "")
+    kv_copies = len(re.findall(re.escape(kv_type) + r"\{[^}]*\} copy\(", compiled.as_text()))
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    return (
+        f"compiled in {seconds:.1f} s; {kv_copies} whole-KV copies; temporaries "
+        f"{temp / 1e6:.0f} MB (KV {step_runner.kv.nbytes / 1e6:.0f} MB)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--topologies", default="v4:2x2x1,v5e:2x2,v5p:2x2x1,v6e:2x2")
+    parser.add_argument(
+        "--engine-step",
+        action="store_true",
+        help="also compile the whole SmolLM2 engine step (the demo checkpoint), KV layout "
+        "pinned and not, and count its whole-KV copies",
+    )
+    args = parser.parse_args()
+    failures = 0
+    print(f"{'topology':10s} {'model':10s} {'dtype':9s} {'kernel':17s} result")
+    for topology in args.topologies.split(","):
+        for name, *shape in MODELS:
+            for dtype in (jnp.bfloat16, jnp.float32):  # float16: refused, see kv_layout
+                for kernel, fn, shapes in kernels(*shape, dtype):
+                    try:
+                        result = f"compiled in {compile_for(topology, fn, shapes):.1f} s"
+                    except Exception as e:  # report every kernel, then fail at the end
+                        failures += 1
+                        result = f"FAILED: {str(e).splitlines()[0][:160]}"
+                    dtype_name = jnp.dtype(dtype).name
+                    print(f"{topology:10s} {name:10s} {dtype_name:9s} {kernel:17s} {result}")
+    if args.engine_step:
+        import ksana_jax
+        from ksana_jax.demo import demo_checkpoint
+
+        model = ksana_jax.load(demo_checkpoint(), dtype="bfloat16")
+        for topology in args.topologies.split(","):
+            for pinned in (False, True):
+                layout = "KV pinned row-major" if pinned else "KV in default layout"
+                report = engine_step_report(topology, model, pinned)
+                print(f"{topology:10s} SmolLM2 engine step, {layout}: {report}")
+    if failures:
+        raise SystemExit(f"{failures} kernel(s) failed to compile")
+
+
+if __name__ == "__main__":
+    main()
