@@ -101,10 +101,21 @@ class KVCacheSpec:
         return self.bytes_per_page * self.num_pages
 
 
-def num_pages_for_budget(cfg: ModelConfig, page_size: int, dtype: str, budget_bytes: int) -> int:
+def device_bytes_per_page(
+    cfg: ModelConfig, page_size: int, dtype: str, lane_multiple: int = 1
+) -> int:
+    """Device memory one page takes when each head_dim row is padded to a multiple of
+    `lane_multiple` (128 for the row-major KV on a TPU: a 64-wide row fills 128 lanes)."""
+    spec = KVCacheSpec.for_model(cfg, 2, page_size, dtype)
+    padded = -(-spec.head_dim // lane_multiple) * lane_multiple
+    return spec.bytes_per_page * padded // spec.head_dim
+
+
+def num_pages_for_budget(
+    cfg: ModelConfig, page_size: int, dtype: str, budget_bytes: int, lane_multiple: int = 1
+) -> int:
     """How many pages fit in `budget_bytes` (including the sink page)."""
-    per_page = KVCacheSpec.for_model(cfg, 2, page_size, dtype).bytes_per_page
-    return int(budget_bytes // per_page)
+    return int(budget_bytes // device_bytes_per_page(cfg, page_size, dtype, lane_multiple))
 
 
 def allocate_kv(spec: KVCacheSpec, sharding=None) -> jax.Array:

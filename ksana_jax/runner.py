@@ -27,6 +27,7 @@ from ksana_jax.config import EngineConfig, ModelConfig
 from ksana_jax.kv_cache import (
     KVCacheSpec,
     allocate_kv,
+    device_bytes_per_page,
     num_pages_for_budget,
     resolve_kv_dtype,
 )
@@ -67,6 +68,7 @@ _step_functions = weakref.WeakSet({engine_step})  # every jitted step, for compi
 # Platforms whose default array layouts can put the KV's dims out of order (a TPU does, see
 # kv_row_major_format); CPU and GPU lay arrays out row-major by default.
 PINNED_KV_PLATFORMS = ("tpu",)
+TPU_LANES = 128
 
 
 def kv_row_major_format(sharding: jax.sharding.Sharding) -> Format:
@@ -98,20 +100,25 @@ def _bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
 
 
 def resolve_num_pages(
-    config: EngineConfig, model_config: ModelConfig, dtype: str, kv_shards: int = 1
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: str,
+    kv_shards: int = 1,
+    lane_multiple: int = 1,
 ) -> int:
     """Pages for the KV array: explicit, from the GiB budget per device (the KV is split
-    over `kv_shards` devices), or a bounded default."""
+    over `kv_shards` devices), or a bounded default; budgets count each head_dim row padded
+    to a multiple of `lane_multiple` (see kv_cache.device_bytes_per_page)."""
     if config.num_pages is not None:
         return config.num_pages
     if config.kv_cache_memory_gib is not None:
         budget = int(config.kv_cache_memory_gib * GIB) * kv_shards
     else:
-        full = KVCacheSpec.for_model(model_config, 2, config.page_size, dtype).bytes_per_page
+        full = device_bytes_per_page(model_config, config.page_size, dtype, lane_multiple)
         budget = min(
             2 * GIB * kv_shards, full * (config.max_num_seqs * config.max_pages_per_seq + 1)
         )
-    return num_pages_for_budget(model_config, config.page_size, dtype, budget)
+    return num_pages_for_budget(model_config, config.page_size, dtype, budget, lane_multiple)
 
 
 def suppressed_ids(params: SamplingParams, eos_ids: tuple[int, ...]) -> list[int]:
@@ -132,7 +139,11 @@ class ModelRunner:
         )
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, model.dtype, platform, self.backend)
         self.plan = model.plan
-        self.num_pages = resolve_num_pages(config, model.config, kv_dtype, self.plan.kv_head_shards)
+        # A TPU pads the row-major KV's head_dim rows to its 128 lanes (kv_row_major_format).
+        lanes = TPU_LANES if platform in PINNED_KV_PLATFORMS else 1
+        self.num_pages = resolve_num_pages(
+            config, model.config, kv_dtype, self.plan.kv_head_shards, lanes
+        )
         if self.num_pages - 1 < config.max_pages_per_seq:
             raise ValueError(
                 f"the KV cache has {self.num_pages - 1} usable pages, fewer than the "

@@ -219,3 +219,21 @@ def test_bucket_shapes_are_exactly_the_reachable_step_shapes(fields):
     shapes = cfg.bucket_shapes()
     assert {(t, s) for t, s, _ in shapes} == reachable
     assert len(shapes) == len(reachable) * len(cfg.context_buckets)
+
+
+def test_kv_budget_counts_the_tpu_lane_padding():
+    """On a TPU the row-major KV pads each head_dim row to 128 lanes: a 64-wide head takes
+    twice its bytes, a 128-wide one none more, and a GiB budget buys pages accordingly."""
+    from ksana_jax.kv_cache import device_bytes_per_page
+    from ksana_jax.runner import resolve_num_pages
+
+    llama = ModelConfig.from_hf_dict(LLAMA31)  # head_dim 128
+    narrow = ModelConfig.from_hf_dict(LLAMA31 | {"head_dim": 64})
+    for cfg, factor in ((llama, 1), (narrow, 2)):
+        plain = device_bytes_per_page(cfg, 16, "bfloat16")
+        assert plain == 2 * 32 * 8 * 16 * cfg.head_dim * 2  # K and V, layers, heads, bf16
+        assert device_bytes_per_page(cfg, 16, "bfloat16", lane_multiple=128) == factor * plain
+        config = EngineConfig(kv_cache_memory_gib=1.0, max_model_len=1024)
+        pages = resolve_num_pages(config, cfg, "bfloat16")
+        padded = resolve_num_pages(config, cfg, "bfloat16", lane_multiple=128)
+        assert padded == pages // factor
