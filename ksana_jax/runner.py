@@ -14,7 +14,7 @@ others, which run the same step.
 
 from __future__ import annotations
 
-import weakref
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ def _engine_step(
 
 _STEP_JIT = dict(static_argnames=("cfg", "max_logprobs", "backend"), donate_argnames=("kv",))
 engine_step = jax.jit(_engine_step, **_STEP_JIT)
-_step_functions = weakref.WeakSet({engine_step})  # every jitted step, for compile_count
+_step_functions = {engine_step}  # every jitted step, for compile_count
 
 
 # Platforms whose default array layouts can put the KV's dims out of order (a TPU does, see
@@ -80,8 +80,11 @@ def kv_row_major_format(sharding: jax.sharding.Sharding) -> Format:
     return Format(Layout(major_to_minor=tuple(range(6))), sharding)
 
 
+@functools.cache  # one per format: equal jit wrappers would share, and double-count, a cache
 def kv_pinned_engine_step(kv_format: Format):
-    """engine_step with the KV argument and result held in `kv_format`."""
+    """engine_step with the KV argument and result held in `kv_format`. Call it with every
+    argument positional, as `ModelRunner.execute` does: with in_shardings set, jit takes no
+    keyword arguments."""
     step = jax.jit(
         _engine_step,
         in_shardings=(None, kv_format, None, None),  # params, kv, inputs, sampling

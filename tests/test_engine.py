@@ -259,9 +259,20 @@ def test_pinned_kv_layout_path_generates_the_same_tokens(tiny_model, monkeypatch
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
     monkeypatch.setattr(runner, "PINNED_KV_PLATFORMS", (jax.default_backend(),))
     before = compile_count()
-    llm = LLM(tiny_model, warm_up=False, **BASE)
+    # A GiB budget on such a platform counts head_dim rows padded to 128 lanes.
+    config = {**BASE, "kv_cache_memory_gib": 0.002}
+    llm = LLM(tiny_model, warm_up=False, **config)
     step_runner = llm.engine.runner
+    padded, plain = (
+        runner.resolve_num_pages(
+            step_runner.config, tiny_model.config, "float32", lane_multiple=lanes
+        )
+        for lanes in (128, 1)
+    )
+    assert step_runner.num_pages == padded < plain
     assert step_runner.step is not runner.engine_step
+    # one pinned step per format: a second engine shares it, and compile_count counts once
+    assert LLM(tiny_model, warm_up=False, **config).engine.runner.step is step_runner.step
     kv = step_runner.kv
     assert kv.format.layout.major_to_minor == tuple(range(6))
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]

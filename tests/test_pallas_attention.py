@@ -298,6 +298,12 @@ def test_gpu_tuning_defaults_and_overrides():
     assert (f32.block_q * 4, f32.block_k, f32.num_warps) == (4096 // 128, 32, 8)
     decode = resolve((32, 32, 128), kv, jnp.bfloat16, (32, 257))
     assert (decode.block_q, decode.num_warps, decode.num_stages) == (4, 4, 3)
+    # a 256-wide head: key blocks and tile rows shrink in proportion
+    wide_kv = (*kv[:5], 256)
+    head256 = resolve((1024, 32, 256), wide_kv, jnp.bfloat16, (1, 257))
+    assert (head256.block_q * 4, head256.block_k) == (64, 32)
+    head256 = resolve((1024, 32, 256), wide_kv, jnp.float32, (1, 257))
+    assert (head256.block_q * 4, head256.block_k) == (16, 16)
     given = resolve(
         prefill[0],
         kv,

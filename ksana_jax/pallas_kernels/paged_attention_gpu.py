@@ -376,7 +376,8 @@ def resolve_tuning(
     shapes, for no register spills (a few dozen bytes on sm_80/89), shared memory under the
     99 KB a program may use on sm_86/89, and copies kept in flight where that fits;
     `benchmarks/attention_sweep.py` times the alternatives on a GPU.
-      - 16-bit KV: 64-key blocks, tiles of up to 128 query rows (tokens x G_pad). Tiles of
+      - 16-bit KV: 64-key blocks, tiles of up to 128 query rows (tokens x G_pad), at head
+        dims up to 128. Tiles of
         <= 32 rows (decode) run 4 warps, 3 stages: only from 3 stages does the cached-key
         loop keep the next block's K/V copies in flight while it computes
         (`cp.async.wait_group 2`; with 2 it waits for every copy at each block). Larger
@@ -387,6 +388,9 @@ def resolve_tuning(
         128-row tiles spill, or pass even an H100's 227 KB). Decode tiles run 4 warps, 3
         stages (84 KB at head dim 128); from 32 rows on 8 warps, 2 stages (72 KB; 3 stages
         would take 104).
+      - past head dim 128 the key block and the tile rows shrink in proportion (head dim
+        256: 32-key blocks and 64-row tiles for 16-bit KV, 16 and 16 for float32); at the
+        128-wide sizes a 256-wide head took 138-192 KB of shared memory.
     """
     num_tokens, num_heads, head_dim = q_shape
     num_kv_heads, page_size = kv_shape[2], kv_shape[4]
@@ -394,10 +398,11 @@ def resolve_tuning(
     group = num_heads // num_kv_heads
     wide = jnp.dtype(kv_dtype) == jnp.float32
     if block_q is None:
-        max_rows = int(np.clip(4096 // head_dim, MIN_DOT_DIM, 128)) if wide else 128
+        max_rows = int(np.clip((4096 if wide else 16384) // head_dim, MIN_DOT_DIM, 128))
         block_q = default_block_q(num_tokens, num_seqs, group, max_rows)
     if block_k is None:
-        block_k = 32 if wide else 64
+        base = 32 if wide else 64
+        block_k = max(MIN_DOT_DIM, min(base, base * 128 // head_dim))
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(
             num_query_tiles(num_tokens, num_seqs, block_q),
