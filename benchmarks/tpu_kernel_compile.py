@@ -85,13 +85,22 @@ def kernels(num_layers, num_heads, num_kv_heads, head_dim, dtype):
     ]
 
 
+def one_chip(topology: str) -> NamedSharding:
+    """A sharding onto the first chip of a TPU topology that is only described."""
+    devices = topologies.get_topology_desc(topology, "tpu").devices
+    return NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+
+
+def placed(tree, sharding):
+    """Shapes of `tree` (arrays or shapes) on `sharding`."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
 def compile_for(topology: str, fn, shapes) -> float:
     """Seconds to compile `fn` for one chip of `topology` (raises what Mosaic raises)."""
-    devices = topologies.get_topology_desc(topology, "tpu").devices
-    replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
-    placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated) for s in shapes]
+    shapes = placed(list(shapes), one_chip(topology))
     start = time.perf_counter()
-    fn.lower(*placed).compile()
+    fn.lower(*shapes).compile()
     return time.perf_counter() - start
 
 
@@ -114,26 +123,19 @@ def engine_step_report(topology: str, model, pinned: bool) -> str:
     )
     step_runner = runner.ModelRunner(model, config)  # on this CPU: for its shapes only
     inputs, sampling = step_runner.padding_inputs(32, 32, 1024)
-    devices = topologies.get_topology_desc(topology, "tpu").devices
-    replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+    replicated = one_chip(topology)
     kv_format = runner.kv_row_major_format(replicated)
     step = runner.kv_pinned_engine_step(kv_format) if pinned else runner.engine_step
-
-    def on_tpu(tree, sharding=replicated):
-        return jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
-        )
-
-    kv = on_tpu(step_runner.kv, kv_format if pinned else replicated)
+    kv = placed(step_runner.kv, kv_format if pinned else replicated)
     default_backend = jax.default_backend
     jax.default_backend = lambda: "tpu"  # trace the model as on a TPU: compiled kernels
     try:
         lowered = step.lower(
-            on_tpu(model.params),
+            placed(model.params, replicated),
             model.config,
             kv,
-            on_tpu(inputs),
-            on_tpu(sampling),
+            placed(inputs, replicated),
+            placed(sampling, replicated),
             config.max_logprobs,
             "pallas_tpu",
         )
