@@ -41,8 +41,9 @@ unnormalised output acc [M, H]. Masking selects (-inf scores, zero-filled loads)
 multiplies. Each split writes (acc, m, l); the wrapper merges splits with the usual
 log-sum-exp rescaling and returns acc / l (0 where nothing was seen: padding tokens).
 
-Launch defaults (`resolve_tuning`) were read off the kernel compiled without a GPU
-(`benchmarks/gpu_kernel_ptx.py`); `benchmarks/attention_sweep.py` times them on one.
+Launch defaults (`resolve_tuning`) were read off the kernel compiled by XLA:GPU for GPUs it
+only describes (`benchmarks/gpu_aot_compile.py`, checked in CI by tests/test_gpu_aot.py);
+`benchmarks/attention_sweep.py` times them on a GPU.
 
 Dots run in the KV dtype accumulating in f32: for 16-bit KV the queries and
 probabilities are rounded to it (tensor cores); for f32 KV each dot is three TF32 products
@@ -371,10 +372,11 @@ def resolve_tuning(
 ) -> Tuning:
     """The launch for a batch of these shapes: what the caller names, defaults for the rest.
 
-    The defaults were read off the kernel compiled for sm_80, sm_89 and sm_90a without a
-    GPU (`benchmarks/gpu_kernel_ptx.py`: Triton 3.9 and `ptxas -v`) at Llama-3-8B and SmolLM2
-    shapes, for no register spills (a few dozen bytes on sm_80/89), shared memory under the
-    99 KB a program may use on sm_86/89, and copies kept in flight where that fits;
+    The defaults were read off the kernel compiled without a GPU for an H200 (sm_90a), an
+    A100 (sm_80) and an L4 (sm_89) by XLA:GPU with jaxlib's own Triton, then `ptxas -v`
+    (`benchmarks/gpu_aot_compile.py`), at Llama-3-8B and SmolLM2 shapes: register spills of
+    48 bytes at most, shared memory under the 99 KB a program may use on sm_86/89, and copies
+    kept in flight where that fits;
     `benchmarks/attention_sweep.py` times the alternatives on a GPU.
       - 16-bit KV: 64-key blocks, tiles of up to 128 query rows (tokens x G_pad), at head
         dims up to 128. Tiles of

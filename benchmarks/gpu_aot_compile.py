@@ -1,0 +1,435 @@
+"""The GPU kernels and the engine step compiled by XLA:GPU for real GPUs, on a machine without one.
+
+jax compiles ahead of time for a GPU it only describes: the CUDA PJRT plugin takes a target
+config (compute capability, SMs, shared memory, ...) in place of an attached device
+(`jax.experimental.topologies`), and runs XLA's whole GPU compiler. The Pallas kernels go
+through jaxlib's own Triton to PTX and on to machine code, so this is what a GPU would run,
+not an approximation. A kernel that needs more shared memory than the GPU has fails here as
+it would there ("RESOURCE_EXHAUSTED: Shared memory size limit exceeded"). Nothing runs.
+
+For each GPU (an H200, an A100 and an L4 by default), model shape (SmolLM2 and a Llama-3-8B
+like one) and KV dtype, this compiles the attention kernel on each workload of
+benchmarks/attention.py, with the launch the kernel picks itself (`resolve_tuning`), and
+both KV writes. For each kernel launch it prints:
+  - the grid, and the shared memory per program that XLA reserves;
+  - the `cp.async.wait_group N` values in the kernel's PTX. A loop whose wait is 0 waits for
+    every copy it issued before it computes, so its loads are not overlapped. N > 0 keeps
+    the next block's copies in flight;
+  - registers per thread and spill bytes, when a `ptxas` is at hand (from the
+    `nvidia-cuda-nvcc-cu12` package, installed as below).
+`--launch 4x3,8x2` also compiles the attention kernel at those (num_warps x num_stages).
+`--engine-step` compiles the whole SmolLM2 engine step (the demo checkpoint, a 32-row decode
+bucket) for each attention backend. For each it reports the whole-KV copies, the KV bytes
+updated in place (aliased), the temporaries, and the kernels that one step launches.
+
+The plugin must match jaxlib exactly (jax 0.10.2: plugin 0.10.2). Install it beside the
+project's environment, not into it: once it is importable, every jax process tries to start
+CUDA. This script sets JAX_PLATFORMS=cpu itself, which skips that.
+
+    v=$(python -c "import jaxlib; print(jaxlib.__version__)")
+    pip install --no-deps --target .venv/gpu-aot "jax-cuda12-plugin==$v" \\
+        "jax-cuda12-pjrt==$v" "nvidia-cuda-nvcc-cu12>=12.8,<13"
+    PYTHONPATH=.venv/gpu-aot python benchmarks/gpu_aot_compile.py [--gpus h200,a100,l4]
+        [--model llama3_8b,smollm2] [--dtypes bfloat16,float32] [--engine-step]
+        [--launch 4x3,8x2] [--json results.json]
+
+tests/test_gpu_aot.py runs it in CI (.ci/run installs the plugin as above).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the plugin's CUDA check would fail here
+
+import argparse
+import collections
+import dataclasses
+import functools
+import itertools
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from attention import MODELS, PAGE_SIZE, WORKLOADS
+from jax.experimental import topologies
+
+from ksana_jax.pallas_kernels import paged_attention_gpu, write_kv_pages_gpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """What XLA:GPU needs to know of a GPU to compile for it (a GpuTargetConfigProto)."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    sms: int
+    shared_per_sm: int  # bytes
+    shared_per_program: int  # bytes a program may opt in to
+    threads_per_sm: int
+    bandwidth: float  # bytes/s
+    l2_bytes: int
+    clock_ghz: float
+    memory_bytes: int
+
+    def target_config(self) -> str:
+        major, minor = self.compute_capability
+        return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {self.shared_per_sm}
+  threads_per_core_limit: {self.threads_per_sm}
+  core_count: {self.sms}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(self.bandwidth)}
+  l2_cache_size: {self.l2_bytes}
+  clock_rate_ghz: {self.clock_ghz}
+  device_memory_size: {int(self.memory_bytes)}
+  shared_memory_per_block_optin: {self.shared_per_program}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 patch: 0 }}
+device_description_str: "{self.name}"
+"""
+
+
+MIB = 1 << 20
+# Data-sheet figures. The L4 stands for the 99 KB-per-program parts (sm_86, sm_89): Colab's
+# and most clouds' small GPUs.
+GPUS = {
+    "h200": Gpu("NVIDIA H200", (9, 0), 132, 233472, 232448, 2048, 4.8e12, 50 * MIB, 1.98, 141e9),
+    "a100": Gpu(
+        "NVIDIA A100-SXM4-80GB", (8, 0), 108, 167936, 166912, 2048, 2.04e12, 40 * MIB, 1.41, 80e9
+    ),
+    "l4": Gpu("NVIDIA L4", (8, 9), 58, 102400, 101376, 1536, 3.0e11, 48 * MIB, 2.04, 24e9),
+}
+
+
+@functools.cache
+def gpu_sharding(gpu: str) -> jax.sharding.SingleDeviceSharding:
+    """A sharding onto a GPU that is only described (needs the CUDA PJRT plugin)."""
+    config = GPUS[gpu].target_config()
+    (device,) = topologies.get_topology_desc(
+        platform="cuda", topology="1x1x1", target_config=config
+    ).devices
+    return jax.sharding.SingleDeviceSharding(device)
+
+
+def placed(tree, sharding):
+    """Shapes of `tree` (arrays or shapes) on `sharding`."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
+# ----------------------------------------------------------------------------- what XLA made
+
+Launch = collections.namedtuple("Launch", "kernel grid threads shared_bytes")
+_LAUNCH = re.compile(
+    r"\] (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+"
+    r"shared_memory: (\d+) bytes"
+)
+
+
+def launches(thunk_sequence: str) -> list[Launch]:
+    """Every kernel launch in XLA's dumped thunk sequence, in order."""
+    return [
+        Launch(m[1], tuple(map(int, m.groups()[1:4])), tuple(map(int, m.groups()[4:7])), int(m[8]))
+        for m in _LAUNCH.finditer(thunk_sequence)
+    ]
+
+
+def wait_groups(ptx: str) -> dict[int, int]:
+    """How often each `cp.async.wait_group N` occurs in the PTX."""
+    found = re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)
+    return dict(sorted(collections.Counter(int(n) for n in found).items()))
+
+
+@dataclasses.dataclass
+class Compiled:
+    """A compiled function and what XLA dumped while compiling it."""
+
+    executable: jax.stages.Compiled
+    launches: list[Launch]
+    ptx: dict[str, str]  # kernel name -> its PTX module
+
+
+def compile_dumped(lowered: jax.stages.Lowered) -> Compiled:
+    """Compiles `lowered`, keeping XLA's thunk sequence (the launches) and PTX."""
+    with tempfile.TemporaryDirectory() as dump:
+        executable = lowered.compile({"xla_dump_to": dump})
+        files = sorted(Path(dump).iterdir())
+        (thunks,) = [f for f in files if f.name.endswith(".thunk_sequence.txt")]
+        ptx = {}
+        for f in files:
+            if f.suffix == ".ptx":
+                text = f.read_text()
+                ptx.update({name: text for name in re.findall(r"\.entry (\w+)\(", text)})
+        return Compiled(executable, launches(thunks.read_text()), ptx)
+
+
+def find_ptxas() -> str | None:
+    """A ptxas: from nvidia-cuda-nvcc-cu12 on the path, then from triton, then $PATH."""
+    for entry in sys.path:
+        for where in ("nvidia/cuda_nvcc/bin/ptxas", "triton/backends/nvidia/bin/ptxas"):
+            candidate = Path(entry) / where
+            if candidate.is_file():
+                return str(candidate)
+    return shutil.which("ptxas")
+
+
+def ptxas_report(ptx: str, ptxas: str) -> dict[str, int]:
+    """Registers per thread and spill bytes of the (single-kernel) PTX module `ptx`."""
+    arch = re.search(r"^\.target (sm_\w+)", ptx, re.M)[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        proc = subprocess.run(
+            [ptxas, "-v", "--gpu-name", arch, str(path), "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    log = proc.stderr + proc.stdout
+    return {
+        "registers": int(re.search(r"Used (\d+) registers", log)[1]),
+        "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log)[1]),
+    }
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+
+def attention_shapes(rows, num_heads: int, num_kv_heads: int, head_dim: int, dtype):
+    """Shapes of benchmarks/attention.py's batch for `rows` [(cached, new)]; no data."""
+    sds = jax.ShapeDtypeStruct
+    pages = [-(-(c + n) // PAGE_SIZE) for c, n in rows]
+    num_tokens, num_seqs = sum(n for _, n in rows), len(rows)
+    return (
+        sds((num_tokens, num_heads, head_dim), jnp.float32),
+        sds((num_tokens, num_kv_heads, head_dim), dtype),
+        sds((num_tokens, num_kv_heads, head_dim), dtype),
+        sds((1, 2, num_kv_heads, 1 + sum(pages), PAGE_SIZE, head_dim), dtype),
+        sds((), jnp.int32),
+        sds((num_seqs, max(pages)), jnp.int32),
+        sds((num_seqs,), jnp.int32),
+        sds((num_seqs + 1,), jnp.int32),
+    )
+
+
+def kernels(model: str, dtype, workloads, extra_launches=()):
+    """(name, tuning, jitted function, argument shapes) of each GPU kernel at a model's
+    shapes: attention per workload (its default launch, then each of `extra_launches`
+    (warps, stages)), and both KV writes at the mixed workload's tokens."""
+    num_heads, num_kv_heads, head_dim = MODELS[model]
+    found = []
+    for workload in workloads:
+        shapes = attention_shapes(
+            WORKLOADS[workload]["device"], num_heads, num_kv_heads, head_dim, dtype
+        )
+        tuning = paged_attention_gpu.resolve_tuning(
+            shapes[0].shape, shapes[3].shape, dtype, shapes[5].shape
+        )
+        for warps, stages in [(None, None), *extra_launches]:
+            if warps is not None:
+                tuning = tuning._replace(num_warps=warps, num_stages=stages)
+            fn = jax.jit(
+                functools.partial(
+                    paged_attention_gpu.ragged_paged_attention,
+                    sm_scale=head_dim**-0.5,
+                    **tuning._asdict(),
+                )
+            )
+            found.append((f"attention/{workload}", tuning, fn, shapes))
+    sds = jax.ShapeDtypeStruct
+    num_tokens = sum(n for _, n in WORKLOADS["mixed"]["device"])
+    kv = attention_shapes(WORKLOADS["mixed"]["device"], num_heads, num_kv_heads, head_dim, dtype)[3]
+    kv = sds((4, *kv.shape[1:]), dtype)  # 4 layers: write_kv_pages writes every one
+    new = sds((num_tokens, num_kv_heads, head_dim), dtype)
+    slots = sds((num_tokens,), jnp.int32)
+    write_all = jax.jit(write_kv_pages_gpu.write_kv_pages, donate_argnums=0)
+    write_layer = jax.jit(write_kv_pages_gpu.write_layer_kv, donate_argnums=0)
+    all_layers = sds((4, 2, num_tokens, num_kv_heads, head_dim), dtype)
+    found.append(("write_kv_pages", None, write_all, (kv, all_layers, slots)))
+    found.append(("write_layer_kv", None, write_layer, (kv, sds((), jnp.int32), new, new, slots)))
+    return found
+
+
+def kernel_record(gpu: str, fn, shapes, ptxas: str | None) -> dict:
+    """Compiles one kernel for `gpu` and reports its Pallas launch (the one kernel that is
+    not an XLA fusion), or the compile error."""
+    try:
+        compiled = compile_dumped(fn.lower(*placed(list(shapes), gpu_sharding(gpu))))
+    except Exception as e:  # report every kernel; the caller fails at the end
+        return {"compiled": False, "error": str(e).splitlines()[0][:300]}
+    pallas = [
+        launch
+        for launch in compiled.launches
+        if launch.kernel.endswith("_gpu") and launch.kernel in compiled.ptx
+    ]
+    (launch,) = pallas
+    ptx = compiled.ptx[launch.kernel]
+    record = {
+        "compiled": True,
+        "kernel": launch.kernel,
+        "grid": launch.grid,
+        "warps": launch.threads[0] // 32,
+        "shared_bytes": launch.shared_bytes,
+        "wait_groups": wait_groups(ptx),
+    }
+    if ptxas:
+        record.update(ptxas_report(ptx, ptxas))
+    return record
+
+
+# ----------------------------------------------------------------------------- the engine step
+
+
+def engine_step_record(gpu: str, model, backend: str) -> dict:
+    """Compiles the whole engine step (a 32-row decode bucket, contexts up to 1024) with
+    `backend` for `gpu`; counts its whole-KV copies, the KV bytes it updates in place
+    (donated and aliased), its temporaries and its kernel launches."""
+    from ksana_jax import runner
+    from ksana_jax.config import EngineConfig
+
+    config = EngineConfig(
+        max_model_len=1024,
+        num_pages=1024,
+        max_num_seqs=32,
+        max_num_batched_tokens=32,
+        token_buckets=(32,),
+        seq_buckets=(32,),
+        context_buckets=(1024,),
+        attention_backend=backend,
+        kv_cache_dtype="bfloat16",  # what "auto" picks on a GPU for this bfloat16 model
+    )
+    step_runner = runner.ModelRunner(model, config)  # on this CPU: for its shapes only
+    inputs, sampling = step_runner.padding_inputs(32, 32, 1024)
+    sharding = gpu_sharding(gpu)
+    default_backend = jax.default_backend
+    jax.default_backend = lambda: "gpu"  # trace the model as on a GPU: compiled kernels
+    try:
+        lowered = runner.engine_step.lower(
+            placed(model.params, sharding),
+            model.config,
+            placed(step_runner.kv, sharding),
+            placed(inputs, sharding),
+            placed(sampling, sharding),
+            config.max_logprobs,
+            backend,
+        )
+    finally:
+        jax.default_backend = default_backend
+    start = time.perf_counter()
+    compiled = compile_dumped(lowered)
+    seconds = time.perf_counter() - start
+    kv = step_runner.kv
+    hlo_type = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[jnp.dtype(kv.dtype).name]
+    kv_type = hlo_type + str(list(kv.shape)).replace(" ", "")
+    text = compiled.executable.as_text()
+    memory = compiled.executable.memory_analysis()
+    kernel_counts = collections.Counter(launch.kernel for launch in compiled.launches)
+    return {
+        "backend": backend,
+        "compile_seconds": round(seconds, 1),
+        "kv_bytes": kv.nbytes,
+        "kv_copies": len(re.findall(re.escape(kv_type) + r"\{[^}]*\} copy\(", text)),
+        "alias_bytes": memory.alias_size_in_bytes,
+        "temp_bytes": memory.temp_size_in_bytes,
+        "launches": len(compiled.launches),
+        "pallas_launches": {
+            name: count for name, count in kernel_counts.items() if name.endswith("_gpu")
+        },
+    }
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _describe(record: dict) -> str:
+    """One table row for a kernel record."""
+    tuning = record["tuning"]
+    blocks = f"{tuning['block_q']}/{tuning['block_k']}/{tuning['num_kv_splits']}" if tuning else "-"
+    row = f"{record['gpu']:5s} {record['model']:10s} {record['dtype']:8s} {record['name']:20s} "
+    row += f"{blocks:>12s} "
+    if not record["compiled"]:
+        return row + f"FAILED: {record['error']}"
+    launch = f"{record['warps']}x{tuning['num_stages'] if tuning else '-'}"
+    grid = "x".join(map(str, record["grid"]))
+    if "registers" in record:
+        registers = f"{record['registers']:5d} {record['spill_bytes']:7d}"
+    else:
+        registers = f"{'-':>5s} {'-':>7s}"
+    waits = ", ".join(f"{n}: {c}" for n, c in record["wait_groups"].items()) or "-"
+    return (
+        row + f"{launch:>5s} {grid:>11s} {record['shared_bytes'] / 1024:7.1f} {registers}  {waits}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gpus", default=",".join(GPUS))
+    parser.add_argument("--model", default="llama3_8b,smollm2")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--launch", default="", help="extra warps x stages, e.g. 4x3,8x2")
+    parser.add_argument("--engine-step", action="store_true")
+    parser.add_argument("--json", help="also write every record to this file")
+    args = parser.parse_args()
+
+    extra = [tuple(int(x) for x in s.split("x")) for s in args.launch.split(",") if s]
+    ptxas = find_ptxas()
+    print(f"jax {jax.__version__}; ptxas: {ptxas or 'none (no registers or spills)'}")
+    print(
+        f"{'gpu':5s} {'model':10s} {'KV':8s} {'kernel':20s} {'bq/bk/splits':>12s} "
+        f"{'wxs':>5s} {'grid':>11s} {'smem KB':>7s} {'regs':>5s} {'spill B':>7s}  "
+        "cp.async waits (N: count)"
+    )
+    records, failures = [], 0
+    for gpu, model, dtype_name in itertools.product(
+        args.gpus.split(","), args.model.split(","), args.dtypes.split(",")
+    ):
+        dtype = jnp.dtype(dtype_name)
+        for name, tuning, fn, shapes in kernels(model, dtype, args.workloads.split(","), extra):
+            record = dict(gpu=gpu, model=model, dtype=dtype.name, name=name)
+            record["tuning"] = tuning._asdict() if tuning else None
+            record.update(kernel_record(gpu, fn, shapes, ptxas))
+            failures += not record["compiled"]
+            print(_describe(record))
+            records.append(record)
+    if args.engine_step:
+        import ksana_jax
+        from ksana_jax.demo import demo_checkpoint
+
+        model = ksana_jax.load(demo_checkpoint(), dtype="bfloat16")
+        for gpu in args.gpus.split(","):
+            for backend in ("reference", "pallas_gpu"):
+                record = engine_step_record(gpu, model, backend)
+                print(
+                    f"{gpu:5s} SmolLM2 engine step, {backend:10s}: compiled in "
+                    f"{record['compile_seconds']} s; {record['kv_copies']} whole-KV copies; "
+                    f"KV {record['kv_bytes'] / 1e6:.0f} MB, {record['alias_bytes'] / 1e6:.0f} MB "
+                    f"aliased; temporaries {record['temp_bytes'] / 1e6:.0f} MB; "
+                    f"{record['launches']} kernel launches {record['pallas_launches'] or ''}"
+                )
+                records.append(dict(gpu=gpu, name="engine_step", **record))
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    if failures:
+        raise SystemExit(f"{failures} kernel(s) failed to compile")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The GPU kernels and the engine step, compiled by XLA:GPU for an H200, an A100 and an L4 on
+this CPU-only machine (benchmarks/gpu_aot_compile.py, with the CUDA PJRT plugin installed
+beside the venv as `.ci/run` does). The compiler is the one a GPU runs: jaxlib's Triton, and
+XLA's shared-memory limit for each GPU. So these check what the CPU tests cannot: every
+kernel at its default launch compiles and fits each GPU, decode keeps the next key block's
+copies in flight, nothing spills much, and the engine step updates the KV in place with one
+attention and one KV-write launch per layer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "benchmarks" / "gpu_aot_compile.py"
+PLUGIN_DIR = Path(os.environ.get("KSANA_GPU_AOT_PATH", ROOT / ".venv" / "gpu-aot"))
+
+pytestmark = pytest.mark.skipif(
+    not (PLUGIN_DIR / "jax_plugins").is_dir(),
+    reason=f"no CUDA PJRT plugin in {PLUGIN_DIR}: install it as benchmarks/gpu_aot_compile.py says",
+)
+
+
+def run_tool(tmp_path: Path, *args: str) -> list[dict]:
+    out = tmp_path / "records.json"
+    env = {**os.environ, "PYTHONPATH": str(PLUGIN_DIR), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--json", str(out), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def kernel_records(tmp_path_factory) -> list[dict]:
+    return run_tool(tmp_path_factory.mktemp("gpu_aot"), "--gpus", "h200,a100,l4")
+
+
+def test_every_kernel_compiles_for_each_gpu(kernel_records):
+    gpus, models, dtypes = {"h200", "a100", "l4"}, {"llama3_8b", "smollm2"}, {"bfloat16", "float32"}
+    names = {"attention/decode", "attention/long_decode", "attention/prefill", "attention/mixed"}
+    names |= {"write_kv_pages", "write_layer_kv"}
+    assert len(kernel_records) == len(gpus) * len(models) * len(dtypes) * len(names)
+    assert {(r["gpu"], r["model"], r["dtype"], r["name"]) for r in kernel_records} == {
+        (g, m, d, n) for g in gpus for m in models for d in dtypes for n in names
+    }
+    failed = [r for r in kernel_records if not r["compiled"]]
+    assert not failed, failed
+
+
+def test_attention_launches_as_resolve_tuning_says(kernel_records):
+    """The launch the kernel picked reaches the GPU: its warps and its grid of (query tiles,
+    KV heads, key splits)."""
+    kv_heads = {"llama3_8b": 8, "smollm2": 3}
+    attention = [r for r in kernel_records if r["name"].startswith("attention/")]
+    for r in attention:
+        assert r["kernel"] == "ragged_paged_attention_gpu"
+        assert r["warps"] == r["tuning"]["num_warps"], r
+        assert r["grid"][1:] == [kv_heads[r["model"]], r["tuning"]["num_kv_splits"]], r
+
+
+def test_decode_keeps_the_next_key_block_in_flight(kernel_records):
+    """Decode is a stream of K/V copies: at its default 3 stages both key loops must wait
+    for all but the next block's copies (`cp.async.wait_group N`, N > 0), on every GPU. With
+    the page ids loaded inside the cached-key loop, that loop waited for every copy (N = 0)."""
+    decode = [
+        r for r in kernel_records if r["name"] in ("attention/decode", "attention/long_decode")
+    ]
+    for r in decode:
+        assert r["tuning"]["num_stages"] == 3, r
+        in_flight = sum(count for n, count in r["wait_groups"].items() if int(n) > 0)
+        assert in_flight >= 2, r  # the cached-key loop and the new-key loop
+
+
+def test_kernels_fit_registers_and_shared_memory(kernel_records):
+    """No default launch spills more than a few dozen bytes (an IEEE float32 dot spilled
+    43 KB), and each fits its GPU's shared memory per program."""
+    limits = {"h200": 232448, "a100": 166912, "l4": 101376}
+    for r in kernel_records:
+        assert r["shared_bytes"] <= limits[r["gpu"]], r
+        if "spill_bytes" in r:  # ptxas from nvidia-cuda-nvcc-cu12 (installed beside)
+            assert r["spill_bytes"] <= 64, r
+
+
+def test_engine_step_updates_the_kv_in_place(tmp_path):
+    """The whole SmolLM2 decode step for an H200, with each backend: the donated KV is the
+    result (aliased), no KV-sized temporary, and with pallas_gpu exactly one attention and
+    one KV-write launch per layer (30)."""
+    only = ["--gpus", "h200", "--model", "smollm2", "--workloads", "decode", "--dtypes", "bfloat16"]
+    records = run_tool(tmp_path, *only, "--engine-step")
+    steps = {r["backend"]: r for r in records if r["name"] == "engine_step"}
+    assert set(steps) == {"reference", "pallas_gpu"}
+    for step in steps.values():
+        assert step["kv_copies"] == 0, step
+        assert step["alias_bytes"] >= step["kv_bytes"], step
+        assert step["temp_bytes"] < step["kv_bytes"] / 4, step
+    assert steps["pallas_gpu"]["pallas_launches"] == {
+        "ragged_paged_attention_gpu": 30,
+        "write_kv_pages_gpu": 30,
+    }
+    assert steps["reference"]["pallas_launches"] == {}
