@@ -10,14 +10,17 @@ it would there ("RESOURCE_EXHAUSTED: Shared memory size limit exceeded"). Nothin
 For each GPU (an H200, an A100 and an L4 by default), model shape (SmolLM2 and a Llama-3-8B
 like one) and KV dtype, this compiles the attention kernel on each workload of
 benchmarks/attention.py, with the launch the kernel picks itself (`resolve_tuning`), and
-both KV writes. For each kernel launch it prints:
+both KV writes. For each compiled function it prints the kernels it launches and its
+temporaries, and for the Pallas kernel in it:
   - the grid, and the shared memory per program that XLA reserves;
   - the `cp.async.wait_group N` values in the kernel's PTX. A loop whose wait is 0 waits for
     every copy it issued before it computes, so its loads are not overlapped. N > 0 keeps
     the next block's copies in flight;
   - registers per thread and spill bytes, when a `ptxas` is at hand (from the
     `nvidia-cuda-nvcc-cu12` package, installed as below).
-`--launch 4x3,8x2` also compiles the attention kernel at those (num_warps x num_stages).
+`--launch 4x3,8x2` also compiles the attention kernel at those (num_warps x num_stages), and
+`--reference` the jnp reference attention at the same shapes (XLA gathers a copy of every
+row's K/V: hundreds of MB of temporaries, against the kernel's few).
 `--engine-step` compiles the whole SmolLM2 engine step (the demo checkpoint, a 32-row decode
 bucket) for each attention backend. For each it reports the whole-KV copies, the KV bytes
 updated in place (aliased), the temporaries, and the kernels that one step launches.
@@ -31,7 +34,7 @@ CUDA. This script sets JAX_PLATFORMS=cpu itself, which skips that.
         "jax-cuda12-pjrt==$v" "nvidia-cuda-nvcc-cu12>=12.8,<13"
     PYTHONPATH=.venv/gpu-aot python benchmarks/gpu_aot_compile.py [--gpus h200,a100,l4]
         [--model llama3_8b,smollm2] [--dtypes bfloat16,float32] [--engine-step]
-        [--launch 4x3,8x2] [--json results.json]
+        [--launch 4x3,8x2] [--reference] [--json results.json]
 
 tests/test_gpu_aot.py runs it in CI (.ci/run installs the plugin as above).
 """
@@ -61,7 +64,7 @@ import jax.numpy as jnp
 from attention import MODELS, PAGE_SIZE, WORKLOADS
 from jax.experimental import topologies
 
-from ksana_jax.pallas_kernels import paged_attention_gpu, write_kv_pages_gpu
+from ksana_jax.pallas_kernels import paged_attention_gpu, reference, write_kv_pages_gpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,10 +232,11 @@ def attention_shapes(rows, num_heads: int, num_kv_heads: int, head_dim: int, dty
     )
 
 
-def kernels(model: str, dtype, workloads, extra_launches=()):
+def kernels(model: str, dtype, workloads, extra_launches=(), reference_too=False):
     """(name, tuning, jitted function, argument shapes) of each GPU kernel at a model's
     shapes: attention per workload (its default launch, then each of `extra_launches`
-    (warps, stages)), and both KV writes at the mixed workload's tokens."""
+    (warps, stages), then, with `reference_too`, the jnp reference through XLA), and both
+    KV writes at the mixed workload's tokens."""
     num_heads, num_kv_heads, head_dim = MODELS[model]
     found = []
     for workload in workloads:
@@ -253,6 +257,11 @@ def kernels(model: str, dtype, workloads, extra_launches=()):
                 )
             )
             found.append((f"attention/{workload}", tuning, fn, shapes))
+        if reference_too:
+            fn = jax.jit(
+                functools.partial(reference.ragged_paged_attention, sm_scale=head_dim**-0.5)
+            )
+            found.append((f"reference/{workload}", None, fn, shapes))
     sds = jax.ShapeDtypeStruct
     num_tokens = sum(n for _, n in WORKLOADS["mixed"]["device"])
     kv = attention_shapes(WORKLOADS["mixed"]["device"], num_heads, num_kv_heads, head_dim, dtype)[3]
@@ -268,27 +277,33 @@ def kernels(model: str, dtype, workloads, extra_launches=()):
 
 
 def kernel_record(gpu: str, fn, shapes, ptxas: str | None) -> dict:
-    """Compiles one kernel for `gpu` and reports its Pallas launch (the one kernel that is
-    not an XLA fusion), or the compile error."""
+    """Compiles one function for `gpu`: its kernel launches and temporaries and, when it
+    holds one, its Pallas kernel's launch (the kernel XLA did not generate); or the error."""
     try:
         compiled = compile_dumped(fn.lower(*placed(list(shapes), gpu_sharding(gpu))))
     except Exception as e:  # report every kernel; the caller fails at the end
         return {"compiled": False, "error": str(e).splitlines()[0][:300]}
+    record = {
+        "compiled": True,
+        "launches": len(compiled.launches),
+        "temp_bytes": compiled.executable.memory_analysis().temp_size_in_bytes,
+    }
     pallas = [
         launch
         for launch in compiled.launches
         if launch.kernel.endswith("_gpu") and launch.kernel in compiled.ptx
     ]
+    if not pallas:  # the reference: XLA's own kernels only
+        return record
     (launch,) = pallas
     ptx = compiled.ptx[launch.kernel]
-    record = {
-        "compiled": True,
-        "kernel": launch.kernel,
-        "grid": launch.grid,
-        "warps": launch.threads[0] // 32,
-        "shared_bytes": launch.shared_bytes,
-        "wait_groups": wait_groups(ptx),
-    }
+    record.update(
+        kernel=launch.kernel,
+        grid=launch.grid,
+        warps=launch.threads[0] // 32,
+        shared_bytes=launch.shared_bytes,
+        wait_groups=wait_groups(ptx),
+    )
     if ptxas:
         record.update(ptxas_report(ptx, ptxas))
     return record
@@ -362,10 +377,13 @@ def _describe(record: dict) -> str:
     """One table row for a kernel record."""
     tuning = record["tuning"]
     blocks = f"{tuning['block_q']}/{tuning['block_k']}/{tuning['num_kv_splits']}" if tuning else "-"
-    row = f"{record['gpu']:5s} {record['model']:10s} {record['dtype']:8s} {record['name']:20s} "
+    row = f"{record['gpu']:5s} {record['model']:10s} {record['dtype']:8s} {record['name']:21s} "
     row += f"{blocks:>12s} "
     if not record["compiled"]:
         return row + f"FAILED: {record['error']}"
+    row += f"{record['launches']:8d} {record['temp_bytes'] / 1e6:8.1f} "
+    if "kernel" not in record:
+        return row
     launch = f"{record['warps']}x{tuning['num_stages'] if tuning else '-'}"
     grid = "x".join(map(str, record["grid"]))
     if "registers" in record:
@@ -385,6 +403,9 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--launch", default="", help="extra warps x stages, e.g. 4x3,8x2")
+    parser.add_argument(
+        "--reference", action="store_true", help="also the jnp reference attention via XLA"
+    )
     parser.add_argument("--engine-step", action="store_true")
     parser.add_argument("--json", help="also write every record to this file")
     args = parser.parse_args()
@@ -393,8 +414,9 @@ def main() -> None:
     ptxas = find_ptxas()
     print(f"jax {jax.__version__}; ptxas: {ptxas or 'none (no registers or spills)'}")
     print(
-        f"{'gpu':5s} {'model':10s} {'KV':8s} {'kernel':20s} {'bq/bk/splits':>12s} "
-        f"{'wxs':>5s} {'grid':>11s} {'smem KB':>7s} {'regs':>5s} {'spill B':>7s}  "
+        f"{'gpu':5s} {'model':10s} {'KV':8s} {'kernel':21s} {'bq/bk/splits':>12s} "
+        f"{'launches':>8s} {'temp MB':>8s} {'wxs':>5s} {'grid':>11s} {'smem KB':>7s} "
+        f"{'regs':>5s} {'spill B':>7s}  "
         "cp.async waits (N: count)"
     )
     records, failures = [], 0
@@ -402,7 +424,9 @@ def main() -> None:
         args.gpus.split(","), args.model.split(","), args.dtypes.split(",")
     ):
         dtype = jnp.dtype(dtype_name)
-        for name, tuning, fn, shapes in kernels(model, dtype, args.workloads.split(","), extra):
+        for name, tuning, fn, shapes in kernels(
+            model, dtype, args.workloads.split(","), extra, args.reference
+        ):
             record = dict(gpu=gpu, model=model, dtype=dtype.name, name=name)
             record["tuning"] = tuning._asdict() if tuning else None
             record.update(kernel_record(gpu, fn, shapes, ptxas))
