@@ -7,8 +7,8 @@ through jaxlib's own Triton to PTX and on to machine code, so this is what a GPU
 not an approximation. A kernel that needs more shared memory than the GPU has fails here as
 it would there ("RESOURCE_EXHAUSTED: Shared memory size limit exceeded"). Nothing runs.
 
-For each GPU (an H200, an A100 and an L4 by default), model shape (SmolLM2 and a Llama-3-8B
-like one) and KV dtype, this compiles the attention kernel on each workload of
+For each GPU (an H200, an A100 and an L4 by default), model shape (SmolLM2's, a Llama-3-8B
+like one, and a 256-wide head) and KV dtype, this compiles the attention kernel on each workload of
 benchmarks/attention.py, with the launch the kernel picks itself (`resolve_tuning`), and
 both KV writes. For each compiled function it prints the kernels it launches and its
 temporaries, and for the Pallas kernel in it:
@@ -17,7 +17,8 @@ temporaries, and for the Pallas kernel in it:
     every copy it issued before it computes, so its loads are not overlapped. N > 0 keeps
     the next block's copies in flight;
   - registers per thread and spill bytes, when a `ptxas` is at hand (from the
-    `nvidia-cuda-nvcc-cu12` package, installed as below).
+    `nvidia-cuda-nvcc-cu12` package, installed as below), and then how many programs an SM
+    holds at once (by registers, shared memory and threads).
 `--launch 4x3,8x2` also compiles the attention kernel at those (num_warps x num_stages), and
 `--reference` the jnp reference attention at the same shapes (XLA gathers a copy of every
 row's K/V: hundreds of MB of temporaries, against the kernel's few).
@@ -33,7 +34,7 @@ CUDA. This script sets JAX_PLATFORMS=cpu itself, which skips that.
     pip install --no-deps --target .venv/gpu-aot "jax-cuda12-plugin==$v" \\
         "jax-cuda12-pjrt==$v" "nvidia-cuda-nvcc-cu12>=12.8,<13"
     PYTHONPATH=.venv/gpu-aot python benchmarks/gpu_aot_compile.py [--gpus h200,a100,l4]
-        [--model llama3_8b,smollm2] [--dtypes bfloat16,float32] [--engine-step]
+        [--model llama3_8b,smollm2,head256] [--dtypes bfloat16,float32] [--engine-step]
         [--launch 4x3,8x2] [--reference] [--json results.json]
 
 tests/test_gpu_aot.py runs it in CI (.ci/run installs the plugin as above).
@@ -59,9 +60,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import attention
 import jax
 import jax.numpy as jnp
-from attention import MODELS, PAGE_SIZE, WORKLOADS
+from attention import PAGE_SIZE, WORKLOADS
 from jax.experimental import topologies
 
 from ksana_jax.pallas_kernels import paged_attention_gpu, reference, write_kv_pages_gpu
@@ -110,6 +112,9 @@ device_description_str: "{self.name}"
 """
 
 
+# benchmarks/attention.py's model shapes (query heads, KV heads, head dim), and a 256-wide
+# head (Gemma-2-9B-like), where resolve_tuning shrinks key blocks and tiles.
+MODELS = {**attention.MODELS, "head256": (16, 8, 256)}
 MIB = 1 << 20
 # Data-sheet figures. The L4 stands for the 99 KB-per-program parts (sm_86, sm_89): Colab's
 # and most clouds' small GPUs.
@@ -212,6 +217,17 @@ def ptxas_report(ptx: str, ptxas: str) -> dict[str, int]:
     }
 
 
+def programs_per_sm(gpu: Gpu, threads: int, registers: int, shared_bytes: int) -> int:
+    """Programs of one launch resident on an SM at once, by CUDA's occupancy rules: 64K
+    registers an SM, allocated 256 a warp at a time; 1 KB of shared memory reserved per
+    program; at most 32 programs."""
+    warps = -(-threads // 32)
+    registers_per_warp = -(-registers * 32 // 256) * 256
+    by_registers = 65536 // (warps * registers_per_warp)
+    by_shared = gpu.shared_per_sm // (shared_bytes + 1024)
+    return min(gpu.threads_per_sm // (warps * 32), by_registers, by_shared, 32)
+
+
 # ----------------------------------------------------------------------------- the kernels
 
 
@@ -306,6 +322,10 @@ def kernel_record(gpu: str, fn, shapes, ptxas: str | None) -> dict:
     )
     if ptxas:
         record.update(ptxas_report(ptx, ptxas))
+        threads = launch.threads[0] * launch.threads[1] * launch.threads[2]
+        record["per_sm"] = programs_per_sm(
+            GPUS[gpu], threads, record["registers"], launch.shared_bytes
+        )
     return record
 
 
@@ -387,9 +407,9 @@ def _describe(record: dict) -> str:
     launch = f"{record['warps']}x{tuning['num_stages'] if tuning else '-'}"
     grid = "x".join(map(str, record["grid"]))
     if "registers" in record:
-        registers = f"{record['registers']:5d} {record['spill_bytes']:7d}"
+        registers = f"{record['registers']:5d} {record['spill_bytes']:7d} {record['per_sm']:6d}"
     else:
-        registers = f"{'-':>5s} {'-':>7s}"
+        registers = f"{'-':>5s} {'-':>7s} {'-':>6s}"
     waits = ", ".join(f"{n}: {c}" for n, c in record["wait_groups"].items()) or "-"
     return (
         row + f"{launch:>5s} {grid:>11s} {record['shared_bytes'] / 1024:7.1f} {registers}  {waits}"
@@ -399,7 +419,7 @@ def _describe(record: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", default=",".join(GPUS))
-    parser.add_argument("--model", default="llama3_8b,smollm2")
+    parser.add_argument("--model", default=",".join(MODELS))
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--launch", default="", help="extra warps x stages, e.g. 4x3,8x2")
@@ -416,7 +436,7 @@ def main() -> None:
     print(
         f"{'gpu':5s} {'model':10s} {'KV':8s} {'kernel':21s} {'bq/bk/splits':>12s} "
         f"{'launches':>8s} {'temp MB':>8s} {'wxs':>5s} {'grid':>11s} {'smem KB':>7s} "
-        f"{'regs':>5s} {'spill B':>7s}  "
+        f"{'regs':>5s} {'spill B':>7s} {'per SM':>6s}  "
         "cp.async waits (N: count)"
     )
     records, failures = [], 0

@@ -47,7 +47,8 @@ def kernel_records(tmp_path_factory) -> list[dict]:
 
 
 def test_every_kernel_compiles_for_each_gpu(kernel_records):
-    gpus, models, dtypes = {"h200", "a100", "l4"}, {"llama3_8b", "smollm2"}, {"bfloat16", "float32"}
+    gpus, dtypes = {"h200", "a100", "l4"}, {"bfloat16", "float32"}
+    models = {"llama3_8b", "smollm2", "head256"}
     names = {"attention/decode", "attention/long_decode", "attention/prefill", "attention/mixed"}
     names |= {"write_kv_pages", "write_layer_kv"}
     assert len(kernel_records) == len(gpus) * len(models) * len(dtypes) * len(names)
@@ -61,7 +62,7 @@ def test_every_kernel_compiles_for_each_gpu(kernel_records):
 def test_attention_launches_as_resolve_tuning_says(kernel_records):
     """The launch the kernel picked reaches the GPU: its warps and its grid of (query tiles,
     KV heads, key splits)."""
-    kv_heads = {"llama3_8b": 8, "smollm2": 3}
+    kv_heads = {"llama3_8b": 8, "smollm2": 3, "head256": 8}
     attention = [r for r in kernel_records if r["name"].startswith("attention/")]
     for r in attention:
         assert r["kernel"] == "ragged_paged_attention_gpu"
@@ -69,27 +70,35 @@ def test_attention_launches_as_resolve_tuning_says(kernel_records):
         assert r["grid"][1:] == [kv_heads[r["model"]], r["tuning"]["num_kv_splits"]], r
 
 
-def test_decode_keeps_the_next_key_block_in_flight(kernel_records):
+def test_streaming_launches_keep_the_next_key_block_in_flight(kernel_records):
     """Decode is a stream of K/V copies: at its default 3 stages both key loops must wait
     for all but the next block's copies (`cp.async.wait_group N`, N > 0), on every GPU. With
-    the page ids loaded inside the cached-key loop, that loop waited for every copy (N = 0)."""
-    decode = [
-        r for r in kernel_records if r["name"] in ("attention/decode", "attention/long_decode")
-    ]
-    for r in decode:
-        assert r["tuning"]["num_stages"] == 3, r
+    the page ids loaded inside the cached-key loop, that loop waited for every copy (N = 0).
+    16-bit prefill tiles up to head dim 128 run 3 stages too; at 2 stages a loop waits for
+    every copy."""
+    for r in kernel_records:
+        if not r["name"].startswith("attention/"):
+            continue
+        stages = r["tuning"]["num_stages"]
+        if r["name"] in ("attention/decode", "attention/long_decode"):
+            assert stages == 3, r
+        if r["dtype"] == "bfloat16" and r["model"] != "head256":
+            assert stages == 3, r
         in_flight = sum(count for n, count in r["wait_groups"].items() if int(n) > 0)
-        assert in_flight >= 2, r  # the cached-key loop and the new-key loop
+        if stages >= 3:
+            assert in_flight >= 2, r  # the cached-key loop and the new-key loop
+        else:
+            assert in_flight == 0, r
 
 
 def test_kernels_fit_registers_and_shared_memory(kernel_records):
-    """No default launch spills more than a few dozen bytes (an IEEE float32 dot spilled
-    43 KB), and each fits its GPU's shared memory per program."""
+    """No default launch spills more than 128 bytes (an IEEE float32 dot spilled 43 KB), and
+    each fits its GPU's shared memory per program."""
     limits = {"h200": 232448, "a100": 166912, "l4": 101376}
     for r in kernel_records:
         assert r["shared_bytes"] <= limits[r["gpu"]], r
         if "spill_bytes" in r:  # ptxas from nvidia-cuda-nvcc-cu12 (installed beside)
-            assert r["spill_bytes"] <= 64, r
+            assert r["spill_bytes"] <= 128, r
 
 
 @pytest.fixture(scope="module")

@@ -287,13 +287,14 @@ def test_gpu_default_splits_count_query_tiles():
 
 
 def test_gpu_tuning_defaults_and_overrides():
-    """16-bit KV: 64-key blocks, tiles up to 128 query rows; float32 KV (3xTF32 dots, wider
-    in registers): 32-key blocks, tiles up to 4096 / head_dim rows. Named values win."""
+    """16-bit KV: 64-key blocks, tiles up to 128 query rows, 3 stages up to head dim 128;
+    float32 KV (3xTF32 dots, wider in registers): 32-key blocks, tiles up to 4096 / head_dim
+    rows. Named values win."""
     resolve = paged_attention_gpu.resolve_tuning
     kv = (1, 2, 8, 4097, 16, 128)  # Llama-3-8B-like: 8 KV heads x 128, 32 query heads
     prefill = ((1024, 32, 128), kv, (1, 257))
     bf16 = resolve(prefill[0], kv, jnp.bfloat16, prefill[2])
-    assert (bf16.block_q * 4, bf16.block_k, bf16.num_warps) == (128, 64, 8)
+    assert (bf16.block_q * 4, bf16.block_k, bf16.num_warps, bf16.num_stages) == (128, 64, 8, 3)
     f32 = resolve(prefill[0], kv, jnp.float32, prefill[2])
     assert (f32.block_q * 4, f32.block_k, f32.num_warps) == (4096 // 128, 32, 8)
     decode = resolve((32, 32, 128), kv, jnp.bfloat16, (32, 257))
@@ -301,7 +302,7 @@ def test_gpu_tuning_defaults_and_overrides():
     # a 256-wide head: key blocks and tile rows shrink in proportion
     wide_kv = (*kv[:5], 256)
     head256 = resolve((1024, 32, 256), wide_kv, jnp.bfloat16, (1, 257))
-    assert (head256.block_q * 4, head256.block_k) == (64, 32)
+    assert (head256.block_q * 4, head256.block_k, head256.num_stages) == (64, 32, 2)
     head256 = resolve((1024, 32, 256), wide_kv, jnp.float32, (1, 257))
     assert (head256.block_q * 4, head256.block_k) == (16, 16)
     given = resolve(

@@ -383,13 +383,17 @@ def resolve_tuning(
         <= 32 rows (decode) run 4 warps, 3 stages: only from 3 stages does the cached-key
         loop keep the next block's K/V copies in flight while it computes
         (`cp.async.wait_group 2`; with 2 it waits for every copy at each block). Larger
-        tiles run 8 warps (at 4, a 128-row tile at head dim 128 spills 1.5 KB of
-        registers), 2 stages (2 programs of 97 KB fit an H100's SM).
+        tiles run 8 warps (at 4, a 128-row tile at head dim 128 spills up to 828 bytes of
+        registers) and 3 stages too. An 8-warp tile takes >= 167 registers a thread, more
+        than half of an SM's 64K, so one program runs per SM whatever its stages; the third
+        stage then costs no occupancy, keeps copies in flight, and fits each GPU's shared
+        memory (L4: 96.5 of 99 KB). Past head dim 128 they run 2 stages: 3 would need 100 KB.
       - float32 KV (3xTF32 dots; twice the bytes of 16-bit KV in registers and shared
         memory): 32-key blocks and tiles of up to 4096 / head_dim rows (64-key blocks or
         128-row tiles spill, or pass even an H100's 227 KB). Decode tiles run 4 warps, 3
         stages (84 KB at head dim 128); from 32 rows on 8 warps, 2 stages (72 KB; 3 stages
-        would take 104).
+        would take 104). Past head dim 128 (tiles of 16 rows) 8 warps, 3 stages: at 4 warps
+        they spilled 64-164 bytes; 8 take the same 98 KB and spill none.
       - past head dim 128 the key block and the tile rows shrink in proportion (head dim
         256: 32-key blocks and 64-row tiles for 16-bit KV, 16 and 16 for float32); at the
         128-wide sizes a 256-wide head took 138-192 KB of shared memory.
@@ -414,9 +418,9 @@ def resolve_tuning(
         )
     rows = block_q * _next_pow2(group)
     if wide:
-        warps, stages = (8, 2) if rows >= 32 else (4, 3)
+        warps, stages = (8, 2) if rows >= 32 else (8 if head_dim > 128 else 4, 3)
     else:
-        warps, stages = (4, 3) if rows <= 32 else (8, 2)
+        warps, stages = (4, 3) if rows <= 32 else (8, 3 if head_dim <= 128 else 2)
     return Tuning(
         block_q,
         block_k,
