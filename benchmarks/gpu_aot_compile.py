@@ -249,30 +249,25 @@ def attention_shapes(rows, num_heads: int, num_kv_heads: int, head_dim: int, dty
 
 
 def kernels(model: str, dtype, workloads, extra_launches=(), reference_too=False):
-    """(name, tuning, jitted function, argument shapes) of each GPU kernel at a model's
-    shapes: attention per workload (its default launch, then each of `extra_launches`
-    (warps, stages), then, with `reference_too`, the jnp reference through XLA), and both
-    KV writes at the mixed workload's tokens."""
+    """(name, launch plan, jitted function, argument shapes) of each GPU kernel at a model's
+    shapes: attention per workload (its default launches, then with each of
+    `extra_launches` (warps, stages), then, with `reference_too`, the jnp reference through
+    XLA), and both KV writes at the mixed workload's tokens (no plan: one launch)."""
     num_heads, num_kv_heads, head_dim = MODELS[model]
     found = []
     for workload in workloads:
         shapes = attention_shapes(
             WORKLOADS[workload]["device"], num_heads, num_kv_heads, head_dim, dtype
         )
-        tuning = paged_attention_gpu.resolve_tuning(
-            shapes[0].shape, shapes[3].shape, dtype, shapes[5].shape
-        )
         for warps, stages in [(None, None), *extra_launches]:
-            if warps is not None:
-                tuning = tuning._replace(num_warps=warps, num_stages=stages)
-            fn = jax.jit(
-                functools.partial(
-                    paged_attention_gpu.ragged_paged_attention,
-                    sm_scale=head_dim**-0.5,
-                    **tuning._asdict(),
-                )
+            named = {} if warps is None else dict(num_warps=warps, num_stages=stages)
+            plan = paged_attention_gpu.plan_launches(
+                shapes[0].shape, shapes[3].shape, dtype, shapes[5].shape, **named
             )
-            found.append((f"attention/{workload}", tuning, fn, shapes))
+            fn = functools.partial(
+                paged_attention_gpu.ragged_paged_attention, sm_scale=head_dim**-0.5, **named
+            )
+            found.append((f"attention/{workload}", plan, jax.jit(fn), shapes))
         if reference_too:
             fn = jax.jit(
                 functools.partial(reference.ragged_paged_attention, sm_scale=head_dim**-0.5)
@@ -292,41 +287,40 @@ def kernels(model: str, dtype, workloads, extra_launches=(), reference_too=False
     return found
 
 
-def kernel_record(gpu: str, fn, shapes, ptxas: str | None) -> dict:
-    """Compiles one function for `gpu`: its kernel launches and temporaries and, when it
-    holds one, its Pallas kernel's launch (the kernel XLA did not generate); or the error."""
+def kernel_record(gpu: str, fn, shapes, ptxas: str | None, plan=None) -> dict:
+    """Compiles one function for `gpu`: its kernel launches and temporaries, and each of its
+    Pallas kernels (those XLA did not generate) with its `plan` tuning; or the error."""
     try:
         compiled = compile_dumped(fn.lower(*placed(list(shapes), gpu_sharding(gpu))))
     except Exception as e:  # report every kernel; the caller fails at the end
         return {"compiled": False, "error": str(e).splitlines()[0][:300]}
-    record = {
+    tunings = {launch.name: launch.tuning._asdict() for launch in plan or ()}
+    pallas = []
+    for launch in compiled.launches:
+        if not (launch.kernel.endswith("_gpu") and launch.kernel in compiled.ptx):
+            continue
+        ptx = compiled.ptx[launch.kernel]
+        kernel = {
+            "name": launch.kernel,
+            "tuning": tunings.get(launch.kernel),
+            "grid": launch.grid,
+            "warps": launch.threads[0] // 32,
+            "shared_bytes": launch.shared_bytes,
+            "wait_groups": wait_groups(ptx),
+        }
+        if ptxas:
+            kernel.update(ptxas_report(ptx, ptxas))
+            threads = launch.threads[0] * launch.threads[1] * launch.threads[2]
+            kernel["per_sm"] = programs_per_sm(
+                GPUS[gpu], threads, kernel["registers"], launch.shared_bytes
+            )
+        pallas.append(kernel)
+    return {
         "compiled": True,
         "launches": len(compiled.launches),
         "temp_bytes": compiled.executable.memory_analysis().temp_size_in_bytes,
+        "kernels": pallas,
     }
-    pallas = [
-        launch
-        for launch in compiled.launches
-        if launch.kernel.endswith("_gpu") and launch.kernel in compiled.ptx
-    ]
-    if not pallas:  # the reference: XLA's own kernels only
-        return record
-    (launch,) = pallas
-    ptx = compiled.ptx[launch.kernel]
-    record.update(
-        kernel=launch.kernel,
-        grid=launch.grid,
-        warps=launch.threads[0] // 32,
-        shared_bytes=launch.shared_bytes,
-        wait_groups=wait_groups(ptx),
-    )
-    if ptxas:
-        record.update(ptxas_report(ptx, ptxas))
-        threads = launch.threads[0] * launch.threads[1] * launch.threads[2]
-        record["per_sm"] = programs_per_sm(
-            GPUS[gpu], threads, record["registers"], launch.shared_bytes
-        )
-    return record
 
 
 # ----------------------------------------------------------------------------- the engine step
@@ -394,26 +388,30 @@ def engine_step_record(gpu: str, model, backend: str) -> dict:
 
 
 def _describe(record: dict) -> str:
-    """One table row for a kernel record."""
-    tuning = record["tuning"]
-    blocks = f"{tuning['block_q']}/{tuning['block_k']}/{tuning['num_kv_splits']}" if tuning else "-"
+    """Table rows for a compiled function: one for each Pallas kernel in it."""
     row = f"{record['gpu']:5s} {record['model']:10s} {record['dtype']:8s} {record['name']:21s} "
-    row += f"{blocks:>12s} "
     if not record["compiled"]:
         return row + f"FAILED: {record['error']}"
-    row += f"{record['launches']:8d} {record['temp_bytes'] / 1e6:8.1f} "
-    if "kernel" not in record:
-        return row
-    launch = f"{record['warps']}x{tuning['num_stages'] if tuning else '-'}"
-    grid = "x".join(map(str, record["grid"]))
-    if "registers" in record:
-        registers = f"{record['registers']:5d} {record['spill_bytes']:7d} {record['per_sm']:6d}"
-    else:
-        registers = f"{'-':>5s} {'-':>7s} {'-':>6s}"
-    waits = ", ".join(f"{n}: {c}" for n, c in record["wait_groups"].items()) or "-"
-    return (
-        row + f"{launch:>5s} {grid:>11s} {record['shared_bytes'] / 1024:7.1f} {registers}  {waits}"
-    )
+    row += f"{record['launches']:8d} {record['temp_bytes'] / 1e6:8.1f}"
+    lines = [row] if not record["kernels"] else []
+    for kernel in record["kernels"]:
+        tuning = kernel["tuning"]
+        blocks = "-"
+        if tuning:
+            blocks = f"{tuning['block_q']}/{tuning['block_k']}/{tuning['num_kv_splits']}"
+        launch = f"{kernel['warps']}x{tuning['num_stages'] if tuning else '-'}"
+        grid = "x".join(map(str, kernel["grid"]))
+        if "registers" in kernel:
+            registers = f"{kernel['registers']:5d} {kernel['spill_bytes']:7d} {kernel['per_sm']:6d}"
+        else:
+            registers = f"{'-':>5s} {'-':>7s} {'-':>6s}"
+        waits = ", ".join(f"{n}: {c}" for n, c in kernel["wait_groups"].items()) or "-"
+        short = " (short rows)" if kernel["name"].endswith("short_rows_gpu") else ""
+        lines.append(
+            f"{row if not lines else ' ' * len(row)} {blocks:>12s} {launch:>5s} {grid:>11s} "
+            f"{kernel['shared_bytes'] / 1024:7.1f} {registers}  {waits}{short}"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -434,22 +432,20 @@ def main() -> None:
     ptxas = find_ptxas()
     print(f"jax {jax.__version__}; ptxas: {ptxas or 'none (no registers or spills)'}")
     print(
-        f"{'gpu':5s} {'model':10s} {'KV':8s} {'kernel':21s} {'bq/bk/splits':>12s} "
-        f"{'launches':>8s} {'temp MB':>8s} {'wxs':>5s} {'grid':>11s} {'smem KB':>7s} "
-        f"{'regs':>5s} {'spill B':>7s} {'per SM':>6s}  "
-        "cp.async waits (N: count)"
+        f"{'gpu':5s} {'model':10s} {'KV':8s} {'function':21s} {'launches':>8s} {'temp MB':>8s} "
+        f"{'bq/bk/splits':>12s} {'wxs':>5s} {'grid':>11s} {'smem KB':>7s} {'regs':>5s} "
+        f"{'spill B':>7s} {'per SM':>6s}  cp.async waits (N: count)"
     )
     records, failures = [], 0
     for gpu, model, dtype_name in itertools.product(
         args.gpus.split(","), args.model.split(","), args.dtypes.split(",")
     ):
         dtype = jnp.dtype(dtype_name)
-        for name, tuning, fn, shapes in kernels(
+        for name, plan, fn, shapes in kernels(
             model, dtype, args.workloads.split(","), extra, args.reference
         ):
             record = dict(gpu=gpu, model=model, dtype=dtype.name, name=name)
-            record["tuning"] = tuning._asdict() if tuning else None
-            record.update(kernel_record(gpu, fn, shapes, ptxas))
+            record.update(kernel_record(gpu, fn, shapes, ptxas, plan))
             failures += not record["compiled"]
             print(_describe(record))
             records.append(record)

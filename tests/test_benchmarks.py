@@ -106,7 +106,7 @@ def test_gpu_aot_compile_pieces_work_without_the_plugin(monkeypatch):
         "write_kv_pages",
         "write_layer_kv",
     ]
-    assert [t.num_warps for _, t, *_ in found[:2]] == [4, 8]
+    assert [plan[-1].tuning.num_warps for _, plan, *_ in found[:2]] == [4, 8]
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     for _, _, fn, shapes in found:
         exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[triton])(*shapes)

@@ -272,6 +272,35 @@ def test_gpu_kernel_chunks_page_ids_for_any_page_size(page_size):
             raise AssertionError(f"scenario {name!r}: {e}") from None
 
 
+def test_gpu_mixed_batch_runs_decode_rows_in_small_tiles():
+    """A batch with rows of a few new tokens and longer ones takes two launches: rows of up
+    to decode_block_q tokens (4 at 4 query heads per KV head) in 4-token tiles, the rest in
+    16-token tiles, both writing one set of partial states. Rows of 1-4 new tokens sit on
+    the boundary; a pure decode bucket (one token a row) takes one launch."""
+    attention = functools.partial(
+        paged_attention_gpu.ragged_paged_attention, block_q=16, num_kv_splits=2, interpret=True
+    )
+    rows = [(20, 3), (9, 4), (30, 5), (0, 1), (50, 2), (17, 33)]
+    args = make_batch(rows, num_kv_heads=2, group=4, head_dim=64, seed=7)
+    check_against_oracle(attention, args, atol=1e-5)
+    assert paged_attention_gpu.decode_block_q(4) == 4
+    q, kv, page_table = args[0], args[3], args[5]
+    plan = paged_attention_gpu.plan_launches(
+        q.shape, kv.shape, kv.dtype, page_table.shape, block_q=16, num_kv_splits=2
+    )
+    assert [(p.rows, p.tuning.block_q, p.tuning.num_kv_splits) for p in plan] == [
+        ("short", 4, 2),
+        ("long", 16, 2),
+    ]
+    launches = str(jax.make_jaxpr(functools.partial(attention, sm_scale=0.125))(*args))
+    assert launches.count("pallas_call[") == 2
+    decode = make_batch(SCENARIOS["decode"], num_kv_heads=2, group=4, head_dim=64)
+    decode = (*(a[:NUM_SEQS] for a in decode[:3]), *decode[3:])  # T == S: one token a row
+    check_against_oracle(attention, decode, atol=1e-5)
+    launches = str(jax.make_jaxpr(functools.partial(attention, sm_scale=0.125))(*decode))
+    assert launches.count("pallas_call[") == 1
+
+
 def test_gpu_default_splits_count_query_tiles():
     """Programs are query tiles x KV heads x splits: decode rows are split until there are
     about TARGET_PROGRAMS, a long prefill whose tiles already fill the GPU is not."""

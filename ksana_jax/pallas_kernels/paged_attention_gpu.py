@@ -21,7 +21,10 @@ power-of-two shape checks, runs on a CPU-only machine).
 
 Grid: (query tiles, K KV heads, key splits). A query tile is up to `block_q` consecutive
 tokens of ONE row (the wrapper lists every row's tiles; a decode row is one tile; tiles
-past the list exit at once), so no compute is spent on other rows' queries. Its queries
+past the list exit at once), so no compute is spent on other rows' queries. A bucket that
+mixes decode rows and prefill chunks takes two launches (`plan_launches`): rows of a few
+new tokens in decode-sized tiles, the others in `block_q` tiles, both writing one set of
+partial states (the second aliases the first's). Its queries
 for KV head k form an [block_q * G_pad, H] matrix (G_pad = query heads per KV head padded
 to a power of two, as Triton requires: G=3 computes 4 rows per token). Key split s
 takes the s-th of `num_kv_splits` equal slices (whole key blocks) of the longest possible
@@ -298,10 +301,12 @@ def _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_star
     )
 
 
-def _query_tiles(query_starts, num_tiles: int, block_q: int):
+def _query_tiles(query_starts, num_tiles: int, block_q: int, rows_taken=None):
     """Row and first token of every query tile (rows cut into block_q-token tiles, in order);
-    row -1 for the entries past the last tile."""
+    row -1 for the entries past the last tile. `rows_taken` (bool[S]): only those rows."""
     counts = query_starts[1:] - query_starts[:-1]
+    if rows_taken is not None:
+        counts = jnp.where(rows_taken, counts, 0)
     tiles_per_row = lax.div(counts + block_q - 1, block_q)
     tile_ends = jnp.cumsum(tiles_per_row)  # [S]
     ids = jnp.arange(num_tiles, dtype=jnp.int32)
@@ -322,6 +327,12 @@ class Tuning(NamedTuple):
     num_kv_splits: int
     num_warps: int
     num_stages: int
+
+
+def decode_block_q(group: int) -> int:
+    """Tokens per query tile for decode rows: the fewest whose queries make the 16 rows a
+    dot needs (G_pad query rows a token)."""
+    return max(1, MIN_DOT_DIM // _next_pow2(group))
 
 
 def default_block_q(num_tokens: int, num_seqs: int, group: int, max_rows: int = 128) -> int:
@@ -430,6 +441,47 @@ def resolve_tuning(
     )
 
 
+KERNEL_NAME = "ragged_paged_attention_gpu"
+SHORT_ROWS_KERNEL_NAME = "ragged_paged_attention_short_rows_gpu"
+
+
+class Launch(NamedTuple):
+    """One pallas_call of the kernel: its name, the rows it takes ("all"; or "short" and
+    "long": rows of at most, and of more than, decode_block_q new tokens) and its tuning."""
+
+    name: str
+    rows: str
+    tuning: Tuning
+
+
+def plan_launches(
+    q_shape: tuple[int, ...],
+    kv_shape: tuple[int, ...],
+    kv_dtype,
+    page_table_shape: tuple[int, ...],
+    **named,
+) -> list[Launch]:
+    """The kernel's launches for a batch of these shapes (`named`: as `resolve_tuning`).
+
+    One launch when its tiles are already decode-sized, or the bucket has one token a row,
+    or one row. Otherwise two, writing one set of partial states: the short rows (decode) in
+    decode_block_q tiles, the long rows (prefill chunks) in block_q tiles. A single block_q
+    would give each decode token of a mixed batch a whole prefill tile of query rows to
+    compute: 32x the products a decode row needs at Llama-3-8B shapes (128 rows for 4).
+    """
+    tuning = resolve_tuning(q_shape, kv_shape, kv_dtype, page_table_shape, **named)
+    num_tokens, num_heads, _ = q_shape
+    num_seqs = page_table_shape[0]
+    short_q = decode_block_q(num_heads // kv_shape[2])
+    if tuning.block_q <= short_q or num_tokens <= num_seqs or num_seqs == 1:
+        return [Launch(KERNEL_NAME, "all", tuning)]
+    shared = dict(block_k=tuning.block_k, num_kv_splits=tuning.num_kv_splits)
+    short = resolve_tuning(
+        q_shape, kv_shape, kv_dtype, page_table_shape, **{**named, **shared, "block_q": short_q}
+    )
+    return [Launch(SHORT_ROWS_KERNEL_NAME, "short", short), Launch(KERNEL_NAME, "long", tuning)]
+
+
 def _merge_splits(acc, m, denom):
     """Log-sum-exp merge of per-split states: acc [splits, ..., H], m/denom [splits, ...]."""
     m_max = jnp.max(m, axis=0)
@@ -495,7 +547,7 @@ def ragged_paged_attention(
     num_seqs, max_pages = page_table.shape
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group)
-    block_q, block_k, num_kv_splits, num_warps, num_stages = resolve_tuning(
+    plan = plan_launches(
         q.shape,
         kv.shape,
         kv.dtype,
@@ -506,6 +558,7 @@ def ragged_paged_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    block_q, block_k, num_kv_splits, _, _ = plan[-1].tuning
     if block_q & (block_q - 1) or block_q * group_pad < MIN_DOT_DIM:
         raise ValueError(
             f"block_q={block_q} must be a power of two with block_q * G_pad >= {MIN_DOT_DIM} "
@@ -521,46 +574,82 @@ def ragged_paged_attention(
         raise ValueError(f"page_ids_per_chunk={page_ids_per_chunk} must be a power of two >= 4")
 
     dot_dtype = jnp.float32 if kv.dtype == jnp.float32 else kv.dtype
-    precision = _dot_precision(dot_dtype, interpret)
     q_groups = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(dot_dtype)
     q_groups = jnp.pad(q_groups, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
-    num_tiles = pl.cdiv(num_tokens, block_q) + num_seqs
-    tile_rows, tile_starts = _query_tiles(query_starts, num_tiles, block_q)
-
-    state_shape = (num_kv_splits, num_tokens, num_kv_heads, group_pad)
-    acc, m, denom = pl.pallas_call(
-        functools.partial(
-            _attention_kernel,
-            sm_scale=sm_scale,
-            block_q=block_q,
-            block_k=block_k,
-            keys_per_split=keys_per_split,
-            page_ids_per_chunk=page_ids_per_chunk,
-            dot_dtype=dot_dtype,
-            precision=precision,
-        ),
-        out_shape=(
-            jax.ShapeDtypeStruct((*state_shape, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct(state_shape, jnp.float32),
-            jax.ShapeDtypeStruct(state_shape, jnp.float32),
-        ),
-        grid=(num_tiles, num_kv_heads, num_kv_splits),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="ragged_paged_attention_gpu",
-    )(
+    inputs = (
         layer_index.reshape(1),
         page_table,
         seq_lens,
         query_starts,
-        tile_rows,
-        tile_starts,
         q_groups,
         k_new,
         v_new,
         kv,
     )
-    out = _merge_splits(acc, m, denom)[:, :, :group]  # [T, K, G, H]
+    params = dict(
+        sm_scale=sm_scale,
+        keys_per_split=keys_per_split,
+        page_ids_per_chunk=page_ids_per_chunk,
+        dot_dtype=dot_dtype,
+        precision=_dot_precision(dot_dtype, interpret),
+    )
+    counts = query_starts[1:] - query_starts[:-1]
+    short_q = decode_block_q(group)
+    short = counts <= short_q
+    states = None
+    for launch in plan:
+        tile_q = launch.tuning.block_q
+        if launch.rows == "all":
+            rows, num_tiles = None, pl.cdiv(num_tokens, tile_q) + num_seqs
+        elif launch.rows == "short":  # one tile a row
+            rows, num_tiles = short, num_seqs
+        else:  # rows of more than short_q tokens: at most T // (short_q + 1) of them
+            long_rows = min(num_seqs, num_tokens // (short_q + 1))
+            rows, num_tiles = ~short, pl.cdiv(num_tokens, tile_q) + long_rows
+        tiles = _query_tiles(query_starts, num_tiles, tile_q, rows)
+        states = _launch(inputs, tiles, launch, states, interpret=interpret, **params)
+    out = _merge_splits(*states)[:, :, :group]  # [T, K, G, H]
     # Tokens no tile covers (padding) were never written: select zeros for them.
     real = jnp.arange(num_tokens) < query_starts[num_seqs]
     return jnp.where(real[:, None, None], out.reshape(num_tokens, num_heads, head_dim), 0.0)
+
+
+def _launch(inputs, tiles, launch: Launch, states=None, *, interpret, **params):
+    """One pallas_call of the kernel over `tiles` (rows, starts): the partial states
+    (acc, m, l) of their tokens, written into `states` in place when given."""
+    layer, page_table, seq_lens, query_starts, q_groups, k_new, v_new, kv = inputs
+    tile_rows, tile_starts = tiles
+    block_q, block_k, num_kv_splits, num_warps, num_stages = launch.tuning
+    num_tokens, num_kv_heads, group_pad, head_dim = q_groups.shape
+    state_shape = (num_kv_splits, num_tokens, num_kv_heads, group_pad)
+    args = (layer, page_table, seq_lens, query_starts, tile_rows, tile_starts)
+    args += (q_groups, k_new, v_new, kv)
+    kernel = functools.partial(_attention_kernel, block_q=block_q, block_k=block_k, **params)
+    aliases = {}
+    if states is not None:
+        aliases = {len(args) + i: i for i in range(3)}
+        args += tuple(states)
+        kernel = _skipping_aliased_inputs(kernel)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((*state_shape, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(state_shape, jnp.float32),
+            jax.ShapeDtypeStruct(state_shape, jnp.float32),
+        ),
+        grid=(tile_rows.shape[0], num_kv_heads, num_kv_splits),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=launch.name,
+    )(*args)
+
+
+def _skipping_aliased_inputs(kernel):
+    """The kernel for a call whose 3 state outputs alias 3 extra inputs: it writes through
+    the output refs and never reads the inputs."""
+
+    def with_aliases(*refs):
+        return kernel(*refs[:-6], *refs[-3:])
+
+    return with_aliases
