@@ -63,6 +63,7 @@ from pathlib import Path
 import attention
 import jax
 import jax.numpy as jnp
+from aot_engine_step import lower_decode_step, placed, whole_kv_copies
 from attention import PAGE_SIZE, WORKLOADS
 from jax.experimental import topologies
 
@@ -135,11 +136,6 @@ def gpu_sharding(gpu: str) -> jax.sharding.SingleDeviceSharding:
         platform="cuda", topology="1x1x1", target_config=config
     ).devices
     return jax.sharding.SingleDeviceSharding(device)
-
-
-def placed(tree, sharding):
-    """Shapes of `tree` (arrays or shapes) on `sharding`."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
 
 
 # ----------------------------------------------------------------------------- what XLA made
@@ -330,51 +326,19 @@ def engine_step_record(gpu: str, model, backend: str) -> dict:
     """Compiles the whole engine step (a 32-row decode bucket, contexts up to 1024) with
     `backend` for `gpu`; counts its whole-KV copies, the KV bytes it updates in place
     (donated and aliased), its temporaries and its kernel launches."""
-    from ksana_jax import runner
-    from ksana_jax.config import EngineConfig
-
-    config = EngineConfig(
-        max_model_len=1024,
-        num_pages=1024,
-        max_num_seqs=32,
-        max_num_batched_tokens=32,
-        token_buckets=(32,),
-        seq_buckets=(32,),
-        context_buckets=(1024,),
-        attention_backend=backend,
-        kv_cache_dtype="bfloat16",  # what "auto" picks on a GPU for this bfloat16 model
-    )
-    step_runner = runner.ModelRunner(model, config)  # on this CPU: for its shapes only
-    inputs, sampling = step_runner.padding_inputs(32, 32, 1024)
-    sharding = gpu_sharding(gpu)
-    default_backend = jax.default_backend
-    jax.default_backend = lambda: "gpu"  # trace the model as on a GPU: compiled kernels
-    try:
-        lowered = runner.engine_step.lower(
-            placed(model.params, sharding),
-            model.config,
-            placed(step_runner.kv, sharding),
-            placed(inputs, sharding),
-            placed(sampling, sharding),
-            config.max_logprobs,
-            backend,
-        )
-    finally:
-        jax.default_backend = default_backend
+    lowered, kv = lower_decode_step(
+        model, backend, "gpu", gpu_sharding(gpu), kv_cache_dtype="bfloat16"
+    )  # bfloat16: what "auto" picks on a GPU for this bfloat16 model
     start = time.perf_counter()
     compiled = compile_dumped(lowered)
     seconds = time.perf_counter() - start
-    kv = step_runner.kv
-    hlo_type = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[jnp.dtype(kv.dtype).name]
-    kv_type = hlo_type + str(list(kv.shape)).replace(" ", "")
-    text = compiled.executable.as_text()
     memory = compiled.executable.memory_analysis()
     kernel_counts = collections.Counter(launch.kernel for launch in compiled.launches)
     return {
         "backend": backend,
         "compile_seconds": round(seconds, 1),
-        "kv_bytes": kv.nbytes,
-        "kv_copies": len(re.findall(re.escape(kv_type) + r"\{[^}]*\} copy\(", text)),
+        "kv_bytes": kv.size * kv.dtype.itemsize,
+        "kv_copies": whole_kv_copies(compiled.executable.as_text(), kv),
         "alias_bytes": memory.alias_size_in_bytes,
         "temp_bytes": memory.temp_size_in_bytes,
         "launches": len(compiled.launches),

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from aot_engine_step import lower_decode_step, placed, whole_kv_copies
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -91,11 +91,6 @@ def one_chip(topology: str) -> NamedSharding:
     return NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
 
 
-def placed(tree, sharding):
-    """Shapes of `tree` (arrays or shapes) on `sharding`."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
-
-
 def compile_for(topology: str, fn, shapes) -> float:
     """Seconds to compile `fn` for one chip of `topology` (raises what Mosaic raises)."""
     shapes = placed(list(shapes), one_chip(topology))
@@ -109,48 +104,21 @@ def engine_step_report(topology: str, model, pinned: bool) -> str:
     and says how many KV-sized copies and how much temporary memory it has. `pinned`: the
     KV argument and result in row-major format, as the runner holds them on a TPU."""
     from ksana_jax import runner
-    from ksana_jax.config import EngineConfig
 
-    config = EngineConfig(
-        max_model_len=1024,
-        num_pages=1024,
-        max_num_seqs=32,
-        max_num_batched_tokens=32,
-        token_buckets=(32,),
-        seq_buckets=(32,),
-        context_buckets=(1024,),
-        attention_backend="pallas_tpu",
-    )
-    step_runner = runner.ModelRunner(model, config)  # on this CPU: for its shapes only
-    inputs, sampling = step_runner.padding_inputs(32, 32, 1024)
     replicated = one_chip(topology)
     kv_format = runner.kv_row_major_format(replicated)
     step = runner.kv_pinned_engine_step(kv_format) if pinned else runner.engine_step
-    kv = placed(step_runner.kv, kv_format if pinned else replicated)
-    default_backend = jax.default_backend
-    jax.default_backend = lambda: "tpu"  # trace the model as on a TPU: compiled kernels
-    try:
-        lowered = step.lower(
-            placed(model.params, replicated),
-            model.config,
-            kv,
-            placed(inputs, replicated),
-            placed(sampling, replicated),
-            config.max_logprobs,
-            "pallas_tpu",
-        )
-    finally:
-        jax.default_backend = default_backend
+    kv_sharding = kv_format if pinned else replicated
+    lowered, kv = lower_decode_step(
+        model, "pallas_tpu", "tpu", replicated, kv_sharding=kv_sharding, step=step
+    )
     start = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
-    hlo_type = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(step_runner.kv.dtype).name]
-    kv_type = hlo_type + str(list(step_runner.kv.shape)).replace(" ", "")
-    kv_copies = len(re.findall(re.escape(kv_type) + r"\{[^}]*\} copy\(", compiled.as_text()))
     temp = compiled.memory_analysis().temp_size_in_bytes
     return (
-        f"compiled in {seconds:.1f} s; {kv_copies} whole-KV copies; temporaries "
-        f"{temp / 1e6:.0f} MB (KV {step_runner.kv.nbytes / 1e6:.0f} MB)"
+        f"compiled in {seconds:.1f} s; {whole_kv_copies(compiled.as_text(), kv)} whole-KV "
+        f"copies; temporaries {temp / 1e6:.0f} MB (KV {kv.size * kv.dtype.itemsize / 1e6:.0f} MB)"
     )
 
 
