@@ -20,7 +20,7 @@ from attention import MODELS, WORKLOADS, build_batch, bytes_read, copy_bandwidth
 
 from ksana_jax.pallas_kernels import paged_attention_gpu, reference
 
-SPLITS = (None, 1, 4, 16)  # None: the kernel's default (paged_attention_gpu.resolve_tuning)
+SPLITS = (None, 1, 4, 16)  # None: the kernel's default (paged_attention_gpu.plan_launches)
 BLOCK_K = (None, 32, 128)
 LAUNCH = ((None, None), (4, 2), (4, 3), (8, 2), (8, 3))  # (num_warps, num_stages)
 DEFAULT = (None, None, None, None)  # splits, block_k, warps, stages
@@ -28,10 +28,17 @@ CONFIGS = [(s, k, w, st) for s, k, (w, st) in itertools.product(SPLITS, BLOCK_K,
 
 
 def describe_defaults(batch) -> str:
-    """What the kernel picks for this batch when the caller names nothing."""
+    """What the kernel picks for this batch when the caller names nothing: the tuning of
+    each launch it plans (the short rows' first when there are two)."""
     q, kv, page_table = batch[0], batch[3], batch[5]
-    tuning = paged_attention_gpu.resolve_tuning(q.shape, kv.shape, kv.dtype, page_table.shape)
-    return ", ".join(f"{name} {value}" for name, value in tuning._asdict().items())
+    plan = paged_attention_gpu.plan_launches(q.shape, kv.shape, kv.dtype, page_table.shape)
+    described = []
+    for launch in plan:
+        tuning = ", ".join(f"{name} {value}" for name, value in launch.tuning._asdict().items())
+        lo, hi = launch.new_tokens
+        rows = f"rows of up to {hi} new tokens: " if lo < 0 else f"rows of over {lo}: "
+        described.append(tuning if len(plan) == 1 else rows + tuning)
+    return "; ".join(described)
 
 
 def sweep(batch, expected, configs, *, repeats: int, calls: int, interpret: bool = False):

@@ -8,10 +8,11 @@ not an approximation. A kernel that needs more shared memory than the GPU has fa
 it would there ("RESOURCE_EXHAUSTED: Shared memory size limit exceeded"). Nothing runs.
 
 For each GPU (an H200, an A100 and an L4 by default), model shape (SmolLM2's, a Llama-3-8B
-like one, and a 256-wide head) and KV dtype, this compiles the attention kernel on each workload of
-benchmarks/attention.py, with the launch the kernel picks itself (`resolve_tuning`), and
-both KV writes. For each compiled function it prints the kernels it launches and its
-temporaries, and for the Pallas kernel in it:
+like one, and a 256-wide head) and KV dtype, this compiles the attention kernel on each
+workload (benchmarks/attention.py's, and rows of 8 and 16 new tokens, so that every tile
+size the kernel picks is compiled), with the launches the kernel plans itself
+(`plan_launches`), and both KV writes. For each compiled function it prints the kernels it
+launches and its temporaries, and for each Pallas kernel in it:
   - the grid, and the shared memory per program that XLA reserves;
   - the `cp.async.wait_group N` values in the kernel's PTX. A loop whose wait is 0 waits for
     every copy it issued before it computes, so its loads are not overlapped. N > 0 keeps
@@ -32,7 +33,7 @@ CUDA. This script sets JAX_PLATFORMS=cpu itself, which skips that.
 
     v=$(python -c "import jaxlib; print(jaxlib.__version__)")
     pip install --no-deps --target .venv/gpu-aot "jax-cuda12-plugin==$v" \\
-        "jax-cuda12-pjrt==$v" "nvidia-cuda-nvcc-cu12>=12.8,<13"
+        "jax-cuda12-pjrt==$v" "nvidia-cuda-nvcc-cu12==12.9.86"
     PYTHONPATH=.venv/gpu-aot python benchmarks/gpu_aot_compile.py [--gpus h200,a100,l4]
         [--model llama3_8b,smollm2,head256] [--dtypes bfloat16,float32] [--engine-step]
         [--launch 4x3,8x2] [--reference] [--json results.json]
@@ -64,7 +65,7 @@ import attention
 import jax
 import jax.numpy as jnp
 from aot_engine_step import lower_decode_step, placed, whole_kv_copies
-from attention import PAGE_SIZE, WORKLOADS
+from attention import PAGE_SIZE
 from jax.experimental import topologies
 
 from ksana_jax.pallas_kernels import paged_attention_gpu, reference, write_kv_pages_gpu
@@ -80,6 +81,7 @@ class Gpu:
     shared_per_sm: int  # bytes
     shared_per_program: int  # bytes a program may opt in to
     threads_per_sm: int
+    programs_per_sm: int  # the most resident at once
     bandwidth: float  # bytes/s
     l2_bytes: int
     clock_ghz: float
@@ -116,15 +118,22 @@ device_description_str: "{self.name}"
 # benchmarks/attention.py's model shapes (query heads, KV heads, head dim), and a 256-wide
 # head (Gemma-2-9B-like), where resolve_tuning shrinks key blocks and tiles.
 MODELS = {**attention.MODELS, "head256": (16, 8, 256)}
+# benchmarks/attention.py's device workloads (rows of (cached, new) tokens), and rows of 8 and
+# of 16 new tokens (short chunks, speculative tokens): with them, every tile size the
+# kernel picks by default is compiled.
+WORKLOADS = {name: rows["device"] for name, rows in attention.WORKLOADS.items()}
+WORKLOADS |= {"chunks8": [(1023, 8)] * 16, "chunks16": [(1023, 16)] * 16}
 MIB = 1 << 20
 # Data-sheet figures. The L4 stands for the 99 KB-per-program parts (sm_86, sm_89): Colab's
 # and most clouds' small GPUs.
 GPUS = {
-    "h200": Gpu("NVIDIA H200", (9, 0), 132, 233472, 232448, 2048, 4.8e12, 50 * MIB, 1.98, 141e9),
-    "a100": Gpu(
-        "NVIDIA A100-SXM4-80GB", (8, 0), 108, 167936, 166912, 2048, 2.04e12, 40 * MIB, 1.41, 80e9
+    "h200": Gpu(
+        "NVIDIA H200", (9, 0), 132, 233472, 232448, 2048, 32, 4.8e12, 50 * MIB, 1.98, 141e9
     ),
-    "l4": Gpu("NVIDIA L4", (8, 9), 58, 102400, 101376, 1536, 3.0e11, 48 * MIB, 2.04, 24e9),
+    "a100": Gpu(
+        "NVIDIA A100 80GB", (8, 0), 108, 167936, 166912, 2048, 32, 2e12, 40 * MIB, 1.41, 80e9
+    ),
+    "l4": Gpu("NVIDIA L4", (8, 9), 58, 102400, 101376, 1536, 24, 3e11, 48 * MIB, 2.04, 24e9),
 }
 
 
@@ -140,17 +149,19 @@ def gpu_sharding(gpu: str) -> jax.sharding.SingleDeviceSharding:
 
 # ----------------------------------------------------------------------------- what XLA made
 
-Launch = collections.namedtuple("Launch", "kernel grid threads shared_bytes")
+KernelLaunch = collections.namedtuple("KernelLaunch", "kernel grid threads shared_bytes")
 _LAUNCH = re.compile(
     r"\] (\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+"
     r"shared_memory: (\d+) bytes"
 )
 
 
-def launches(thunk_sequence: str) -> list[Launch]:
+def launches(thunk_sequence: str) -> list[KernelLaunch]:
     """Every kernel launch in XLA's dumped thunk sequence, in order."""
     return [
-        Launch(m[1], tuple(map(int, m.groups()[1:4])), tuple(map(int, m.groups()[4:7])), int(m[8]))
+        KernelLaunch(
+            m[1], tuple(map(int, m.groups()[1:4])), tuple(map(int, m.groups()[4:7])), int(m[8])
+        )
         for m in _LAUNCH.finditer(thunk_sequence)
     ]
 
@@ -166,7 +177,7 @@ class Compiled:
     """A compiled function and what XLA dumped while compiling it."""
 
     executable: jax.stages.Compiled
-    launches: list[Launch]
+    launches: list[KernelLaunch]
     ptx: dict[str, str]  # kernel name -> its PTX module
 
 
@@ -216,12 +227,13 @@ def ptxas_report(ptx: str, ptxas: str) -> dict[str, int]:
 def programs_per_sm(gpu: Gpu, threads: int, registers: int, shared_bytes: int) -> int:
     """Programs of one launch resident on an SM at once, by CUDA's occupancy rules: 64K
     registers an SM, allocated 256 a warp at a time; 1 KB of shared memory reserved per
-    program; at most 32 programs."""
+    program; the GPU's most programs an SM."""
     warps = -(-threads // 32)
     registers_per_warp = -(-registers * 32 // 256) * 256
     by_registers = 65536 // (warps * registers_per_warp)
     by_shared = gpu.shared_per_sm // (shared_bytes + 1024)
-    return min(gpu.threads_per_sm // (warps * 32), by_registers, by_shared, 32)
+    by_threads = gpu.threads_per_sm // (warps * 32)
+    return min(by_threads, by_registers, by_shared, gpu.programs_per_sm)
 
 
 # ----------------------------------------------------------------------------- the kernels
@@ -252,9 +264,7 @@ def kernels(model: str, dtype, workloads, extra_launches=(), reference_too=False
     num_heads, num_kv_heads, head_dim = MODELS[model]
     found = []
     for workload in workloads:
-        shapes = attention_shapes(
-            WORKLOADS[workload]["device"], num_heads, num_kv_heads, head_dim, dtype
-        )
+        shapes = attention_shapes(WORKLOADS[workload], num_heads, num_kv_heads, head_dim, dtype)
         for warps, stages in [(None, None), *extra_launches]:
             named = {} if warps is None else dict(num_warps=warps, num_stages=stages)
             plan = paged_attention_gpu.plan_launches(
@@ -270,8 +280,8 @@ def kernels(model: str, dtype, workloads, extra_launches=(), reference_too=False
             )
             found.append((f"reference/{workload}", None, fn, shapes))
     sds = jax.ShapeDtypeStruct
-    num_tokens = sum(n for _, n in WORKLOADS["mixed"]["device"])
-    kv = attention_shapes(WORKLOADS["mixed"]["device"], num_heads, num_kv_heads, head_dim, dtype)[3]
+    num_tokens = sum(n for _, n in WORKLOADS["mixed"])
+    kv = attention_shapes(WORKLOADS["mixed"], num_heads, num_kv_heads, head_dim, dtype)[3]
     kv = sds((4, *kv.shape[1:]), dtype)  # 4 layers: write_kv_pages writes every one
     new = sds((num_tokens, num_kv_heads, head_dim), dtype)
     slots = sds((num_tokens,), jnp.int32)
@@ -392,6 +402,14 @@ def main() -> None:
     parser.add_argument("--json", help="also write every record to this file")
     args = parser.parse_args()
 
+    try:
+        for gpu in args.gpus.split(","):
+            gpu_sharding(gpu)
+    except NotImplementedError:  # jax has no CUDA plugin to describe a GPU with
+        raise SystemExit(
+            "no CUDA PJRT plugin: install it beside the venv and put it on PYTHONPATH, as this "
+            "script's docstring says"
+        ) from None
     extra = [tuple(int(x) for x in s.split("x")) for s in args.launch.split(",") if s]
     ptxas = find_ptxas()
     print(f"jax {jax.__version__}; ptxas: {ptxas or 'none (no registers or spills)'}")

@@ -97,7 +97,7 @@ def test_gpu_aot_compile_pieces_work_without_the_plugin(monkeypatch):
     (tests/test_gpu_aot.py runs it whole); its kernel list lowers for CUDA with the kernels'
     current signatures, and its readers parse what XLA dumps."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    monkeypatch.setitem(os.environ, "JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
+    monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
     tool = load_script("gpu_aot_compile")
     found = tool.kernels("smollm2", jnp.dtype(jnp.bfloat16), ["decode"], [(8, 2)])
     assert [name for name, *_ in found] == [
@@ -118,8 +118,8 @@ def test_gpu_aot_compile_pieces_work_without_the_plugin(monkeypatch):
         "threads: [128, 1, 1]  shared_memory: 0 bytes\n"
     )
     assert tool.launches(thunks) == [
-        tool.Launch("ragged_paged_attention_gpu", (40, 8, 4), (128, 1, 1), 71680),
-        tool.Launch("loop_select_fusion", (1024, 1, 1), (128, 1, 1), 0),
+        tool.KernelLaunch("ragged_paged_attention_gpu", (40, 8, 4), (128, 1, 1), 71680),
+        tool.KernelLaunch("loop_select_fusion", (1024, 1, 1), (128, 1, 1), 0),
     ]
     ptx = "cp.async.wait_group 0;\n\tcp.async.wait_group 2;\ncp.async.wait_group\t2;"
     assert tool.wait_groups(ptx) == {0: 1, 2: 2}

@@ -18,12 +18,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "benchmarks" / "gpu_aot_compile.py"
-PLUGIN_DIR = Path(os.environ.get("KSANA_GPU_AOT_PATH", ROOT / ".venv" / "gpu-aot"))
+PLUGIN_DIR = ROOT / ".venv" / "gpu-aot"  # where .ci/run installs it
 
-pytestmark = pytest.mark.skipif(
-    not (PLUGIN_DIR / "jax_plugins").is_dir(),
-    reason=f"no CUDA PJRT plugin in {PLUGIN_DIR}: install it as benchmarks/gpu_aot_compile.py says",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (PLUGIN_DIR / "jax_plugins").is_dir(),
+        reason=f"no CUDA PJRT plugin in {PLUGIN_DIR}: install it as .ci/run does",
+    ),
+    pytest.mark.timeout(600),
+]
+
+
+def test_the_plugin_matches_jaxlib():
+    """The plugin must be jaxlib's own version; another one fails in obscure ways."""
+    import jaxlib
+
+    found = sorted(p.name for p in PLUGIN_DIR.glob("jax_cuda12_pjrt-*.dist-info"))
+    assert found == [f"jax_cuda12_pjrt-{jaxlib.__version__}.dist-info"], found
 
 
 def run_tool(tmp_path: Path, *args: str) -> list[dict]:
@@ -35,7 +46,7 @@ def run_tool(tmp_path: Path, *args: str) -> list[dict]:
         text=True,
         env=env,
         cwd=ROOT,
-        timeout=900,
+        timeout=500,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -50,6 +61,7 @@ def test_every_kernel_compiles_for_each_gpu(kernel_records):
     gpus, dtypes = {"h200", "a100", "l4"}, {"bfloat16", "float32"}
     models = {"llama3_8b", "smollm2", "head256"}
     names = {"attention/decode", "attention/long_decode", "attention/prefill", "attention/mixed"}
+    names |= {"attention/chunks8", "attention/chunks16"}
     names |= {"write_kv_pages", "write_layer_kv"}
     assert len(kernel_records) == len(gpus) * len(models) * len(dtypes) * len(names)
     assert {(r["gpu"], r["model"], r["dtype"], r["name"]) for r in kernel_records} == {
@@ -60,6 +72,7 @@ def test_every_kernel_compiles_for_each_gpu(kernel_records):
 
 
 GROUP_PAD = {"llama3_8b": 4, "smollm2": 4, "head256": 2}  # query heads a KV head, padded
+ROWS = {"attention/mixed": 25, "attention/chunks8": 16, "attention/chunks16": 16}
 
 
 def decode_tile(record, kernel) -> bool:
@@ -88,6 +101,7 @@ def test_attention_launches_as_planned(kernel_records):
             assert names == [whole], r
         else:
             assert names == [short, whole] and decode_tile(r, r["kernels"][0]), r
+            assert r["kernels"][0]["grid"][0] == ROWS[r["name"]], r  # a tile a row
         for k in r["kernels"]:
             assert k["warps"] == k["tuning"]["num_warps"], r
             assert k["grid"][1:] == [kv_heads[r["model"]], k["tuning"]["num_kv_splits"]], r
@@ -97,8 +111,7 @@ def test_streaming_launches_keep_the_next_key_block_in_flight(kernel_records):
     """Decode is a stream of K/V copies: at its default 3 stages both key loops must wait
     for all but the next block's copies (`cp.async.wait_group N`, N > 0), on every GPU. With
     the page ids loaded inside the cached-key loop, that loop waited for every copy (N = 0).
-    16-bit tiles up to head dim 128 run 3 stages whatever their size; at 2 stages a loop
-    waits for every copy."""
+    16-bit tiles up to head dim 128 run 3 stages whatever their size."""
     for r, k in pallas_kernels(kernel_records, "attention/"):
         stages = k["tuning"]["num_stages"]
         narrow_16_bit = r["dtype"] == "bfloat16" and r["model"] != "head256"
@@ -107,8 +120,6 @@ def test_streaming_launches_keep_the_next_key_block_in_flight(kernel_records):
         in_flight = sum(count for n, count in k["wait_groups"].items() if int(n) > 0)
         if stages >= 3:
             assert in_flight >= 2, (r, k)  # the cached-key loop and the new-key loop
-        else:
-            assert in_flight == 0, (r, k)
 
 
 def test_kernels_fit_registers_and_shared_memory(kernel_records):

@@ -275,8 +275,9 @@ def test_gpu_kernel_chunks_page_ids_for_any_page_size(page_size):
 def test_gpu_mixed_batch_runs_decode_rows_in_small_tiles():
     """A batch with rows of a few new tokens and longer ones takes two launches: rows of up
     to decode_block_q tokens (4 at 4 query heads per KV head) in 4-token tiles, the rest in
-    16-token tiles, both writing one set of partial states. Rows of 1-4 new tokens sit on
-    the boundary; a pure decode bucket (one token a row) takes one launch."""
+    16-token tiles, both writing one set of partial states. The rows of 4 and 5 new tokens
+    sit on either side of the boundary; a pure decode bucket (one token a row) takes one
+    launch."""
     attention = functools.partial(
         paged_attention_gpu.ragged_paged_attention, block_q=16, num_kv_splits=2, interpret=True
     )
@@ -288,9 +289,9 @@ def test_gpu_mixed_batch_runs_decode_rows_in_small_tiles():
     plan = paged_attention_gpu.plan_launches(
         q.shape, kv.shape, kv.dtype, page_table.shape, block_q=16, num_kv_splits=2
     )
-    assert [(p.rows, p.tuning.block_q, p.tuning.num_kv_splits) for p in plan] == [
-        ("short", 4, 2),
-        ("long", 16, 2),
+    assert [(p.new_tokens, p.tuning.block_q, p.tuning.num_kv_splits) for p in plan] == [
+        ((-1, 4), 4, 2),
+        ((4, NUM_TOKENS), 16, 2),
     ]
     launches = str(jax.make_jaxpr(functools.partial(attention, sm_scale=0.125))(*args))
     assert launches.count("pallas_call[") == 2
@@ -299,6 +300,37 @@ def test_gpu_mixed_batch_runs_decode_rows_in_small_tiles():
     check_against_oracle(attention, decode, atol=1e-5)
     launches = str(jax.make_jaxpr(functools.partial(attention, sm_scale=0.125))(*decode))
     assert launches.count("pallas_call[") == 1
+
+
+def test_gpu_launch_tiles_cover_every_real_token_once():
+    """An independent check of the tile lists: over random ragged batches, group sizes and
+    tile sizes, the tiles of a plan's launches cover every real token exactly once (in a
+    tile of its own row) and no padding token, within each launch's listed entries."""
+    rng = np.random.default_rng(0)
+    kv_shape = (1, 2, 2, 9, PAGE_SIZE, 64)
+    for trial in range(120):
+        num_tokens, num_seqs = int(rng.integers(1, 96)), int(rng.integers(1, 12))
+        group = int(rng.choice([1, 2, 3, 4, 8]))
+        block_q = int(rng.choice([0, 2, 4, 8, 16, 32, 64])) or None  # 0: the default
+        if block_q and block_q * paged_attention_gpu._next_pow2(group) < 16:
+            continue
+        real = int(rng.integers(0, num_tokens + 1))
+        counts = rng.multinomial(real, np.ones(num_seqs) / num_seqs)
+        counts = np.where(rng.random(num_seqs) < 0.4, np.minimum(counts, 1), counts)  # decode
+        query_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        plan = paged_attention_gpu.plan_launches(
+            (num_tokens, 2 * group, 64), kv_shape, jnp.float32, (num_seqs, 8), block_q=block_q
+        )
+        covered = np.zeros(num_tokens, int)
+        for launch in plan:
+            rows, starts = map(np.asarray, launch.tiles(jnp.asarray(query_starts), num_tokens))
+            for row, start in zip(rows, starts, strict=True):
+                if row >= 0:
+                    end = min(start + launch.tuning.block_q, query_starts[row + 1])
+                    assert query_starts[row] <= start < end, (trial, launch)
+                    covered[start:end] += 1
+        assert (covered[: query_starts[-1]] == 1).all(), (trial, plan, counts)
+        assert (covered[query_starts[-1] :] == 0).all(), (trial, plan, counts)
 
 
 def test_gpu_default_splits_count_query_tiles():

@@ -21,12 +21,12 @@ power-of-two shape checks, runs on a CPU-only machine).
 
 Grid: (query tiles, K KV heads, key splits). A query tile is up to `block_q` consecutive
 tokens of ONE row (the wrapper lists every row's tiles; a decode row is one tile; tiles
-past the list exit at once), so no compute is spent on other rows' queries. A bucket that
-mixes decode rows and prefill chunks takes two launches (`plan_launches`): rows of a few
-new tokens in decode-sized tiles, the others in `block_q` tiles, both writing one set of
-partial states (the second aliases the first's). Its queries
+past the list exit at once), so no compute is spent on other rows' queries. Its queries
 for KV head k form an [block_q * G_pad, H] matrix (G_pad = query heads per KV head padded
-to a power of two, as Triton requires: G=3 computes 4 rows per token). Key split s
+to a power of two, as Triton requires: G=3 computes 4 rows per token). A bucket with
+several rows and more tokens than rows takes two launches (`plan_launches`): rows of a
+few new tokens in decode-sized tiles, the others in `block_q` tiles, both writing one set
+of partial states (the second aliases the first's). Key split s
 takes the s-th of `num_kv_splits` equal slices (whole key blocks) of the longest possible
 context, P * page_size, and stops at the row's cached length, so long-context decode of
 few rows still keeps every SM busy; the last split also takes the step's new keys.
@@ -395,10 +395,11 @@ def resolve_tuning(
         loop keep the next block's K/V copies in flight while it computes
         (`cp.async.wait_group 2`; with 2 it waits for every copy at each block). Larger
         tiles run 8 warps (at 4, a 128-row tile at head dim 128 spills up to 828 bytes of
-        registers) and 3 stages too. An 8-warp tile takes >= 167 registers a thread, more
-        than half of an SM's 64K, so one program runs per SM whatever its stages; the third
-        stage then costs no occupancy, keeps copies in flight, and fits each GPU's shared
-        memory (L4: 96.5 of 99 KB). Past head dim 128 they run 2 stages: 3 would need 100 KB.
+        registers) and 3 stages too. An 8-warp tile takes 128-236 registers a thread, so
+        registers or shared memory hold an SM to one or two such programs, and on the H200,
+        A100 and L4 as many fit at 3 stages as at 2: the third stage costs no occupancy,
+        keeps copies in flight, and fits each GPU's shared memory (L4: 96.5 of 99 KB). Past
+        head dim 128 they run 2 stages: 3 would need 100 KB.
       - float32 KV (3xTF32 dots; twice the bytes of 16-bit KV in registers and shared
         memory): 32-key blocks and tiles of up to 4096 / head_dim rows (64-key blocks or
         128-row tiles spill, or pass even an H100's 227 KB). Decode tiles run 4 warps, 3
@@ -446,12 +447,25 @@ SHORT_ROWS_KERNEL_NAME = "ragged_paged_attention_short_rows_gpu"
 
 
 class Launch(NamedTuple):
-    """One pallas_call of the kernel: its name, the rows it takes ("all"; or "short" and
-    "long": rows of at most, and of more than, decode_block_q new tokens) and its tuning."""
+    """One pallas_call of the kernel: its name, its tuning, and the rows it takes, those of
+    lo < new tokens <= hi for new_tokens = (lo, hi)."""
 
     name: str
-    rows: str
     tuning: Tuning
+    new_tokens: tuple[int, int]
+
+    def tiles(self, query_starts, num_tokens: int):
+        """Row and first token of each of this launch's query tiles (`_query_tiles`), with
+        room for any batch of the bucket: at most T // (lo + 1) rows have more than lo
+        tokens, and a row of at most block_q tokens is one tile."""
+        lo, hi = self.new_tokens
+        block_q = self.tuning.block_q
+        num_seqs = query_starts.shape[0] - 1
+        rows = min(num_seqs, num_tokens // (lo + 1)) if lo >= 0 else num_seqs
+        num_tiles = rows if hi <= block_q else pl.cdiv(num_tokens, block_q) + rows
+        counts = query_starts[1:] - query_starts[:-1]
+        taken = (counts > lo) & (counts <= hi)
+        return _query_tiles(query_starts, num_tiles, block_q, taken)
 
 
 def plan_launches(
@@ -461,25 +475,31 @@ def plan_launches(
     page_table_shape: tuple[int, ...],
     **named,
 ) -> list[Launch]:
-    """The kernel's launches for a batch of these shapes (`named`: as `resolve_tuning`).
+    """The kernel's launches for a bucket of these shapes (`named`: as `resolve_tuning`).
 
-    One launch when its tiles are already decode-sized, or the bucket has one token a row,
-    or one row. Otherwise two, writing one set of partial states: the short rows (decode) in
-    decode_block_q tiles, the long rows (prefill chunks) in block_q tiles. A single block_q
-    would give each decode token of a mixed batch a whole prefill tile of query rows to
-    compute: 32x the products a decode row needs at Llama-3-8B shapes (128 rows for 4).
+    One launch when its tiles are decode-sized already, or the bucket has one token a row,
+    or one row. Otherwise two, writing one set of partial states: the short rows (up to
+    decode_block_q new tokens: decode, speculative tokens) in decode-sized tiles, then the
+    long rows (prefill chunks) in block_q tiles. A single block_q would give each decode
+    token of a mixed batch a whole prefill tile of query rows to compute: 32x the products
+    a decode row needs at Llama-3-8B shapes (128 rows for 4). The plan follows the shapes
+    alone, so a bucket of prefill chunks only also pays the short launch, whose programs
+    find no rows and exit at once.
     """
     tuning = resolve_tuning(q_shape, kv_shape, kv_dtype, page_table_shape, **named)
     num_tokens, num_heads, _ = q_shape
     num_seqs = page_table_shape[0]
     short_q = decode_block_q(num_heads // kv_shape[2])
     if tuning.block_q <= short_q or num_tokens <= num_seqs or num_seqs == 1:
-        return [Launch(KERNEL_NAME, "all", tuning)]
+        return [Launch(KERNEL_NAME, tuning, (-1, num_tokens))]
     shared = dict(block_k=tuning.block_k, num_kv_splits=tuning.num_kv_splits)
     short = resolve_tuning(
         q_shape, kv_shape, kv_dtype, page_table_shape, **{**named, **shared, "block_q": short_q}
     )
-    return [Launch(SHORT_ROWS_KERNEL_NAME, "short", short), Launch(KERNEL_NAME, "long", tuning)]
+    return [
+        Launch(SHORT_ROWS_KERNEL_NAME, short, (-1, short_q)),
+        Launch(KERNEL_NAME, tuning, (short_q, num_tokens)),
+    ]
 
 
 def _merge_splits(acc, m, denom):
@@ -531,11 +551,12 @@ def ragged_paged_attention(
     Args: as `reference.ragged_paged_attention` (q [T, N, H], k_new/v_new [T, K, H],
       kv [L, 2, K, num_pages, page_size, H], layer_index i32[], page_table i32[S, P],
       seq_lens i32[S], query_starts i32[S+1], sm_scale), plus tuning (each one not named
-      comes from `resolve_tuning`):
-      block_q: tokens per query tile, a power of two.
+      comes from `plan_launches`):
+      block_q: tokens per query tile, a power of two; with two launches, of the long rows'
+        tiles (the short rows' are decode_block_q tokens).
       block_k: keys per block, a power of two >= 16.
       num_kv_splits: slices of the cached context run in parallel.
-      num_warps, num_stages: Triton launch parameters.
+      num_warps, num_stages: Triton launch parameters, of every launch.
       page_ids_per_chunk: page ids the cached-key loop holds in registers at a time.
       interpret: run on CPU with Pallas's interpreter.
     Returns: f32[T, N, H]; zeros for padding tokens.
@@ -576,16 +597,8 @@ def ragged_paged_attention(
     dot_dtype = jnp.float32 if kv.dtype == jnp.float32 else kv.dtype
     q_groups = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(dot_dtype)
     q_groups = jnp.pad(q_groups, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
-    inputs = (
-        layer_index.reshape(1),
-        page_table,
-        seq_lens,
-        query_starts,
-        q_groups,
-        k_new,
-        v_new,
-        kv,
-    )
+    before_tiles = (layer_index.reshape(1), page_table, seq_lens, query_starts)
+    inputs = before_tiles, (q_groups, k_new, v_new, kv)  # the kernel's, around the tiles
     params = dict(
         sm_scale=sm_scale,
         keys_per_split=keys_per_split,
@@ -593,20 +606,9 @@ def ragged_paged_attention(
         dot_dtype=dot_dtype,
         precision=_dot_precision(dot_dtype, interpret),
     )
-    counts = query_starts[1:] - query_starts[:-1]
-    short_q = decode_block_q(group)
-    short = counts <= short_q
     states = None
     for launch in plan:
-        tile_q = launch.tuning.block_q
-        if launch.rows == "all":
-            rows, num_tiles = None, pl.cdiv(num_tokens, tile_q) + num_seqs
-        elif launch.rows == "short":  # one tile a row
-            rows, num_tiles = short, num_seqs
-        else:  # rows of more than short_q tokens: at most T // (short_q + 1) of them
-            long_rows = min(num_seqs, num_tokens // (short_q + 1))
-            rows, num_tiles = ~short, pl.cdiv(num_tokens, tile_q) + long_rows
-        tiles = _query_tiles(query_starts, num_tiles, tile_q, rows)
+        tiles = launch.tiles(query_starts, num_tokens)
         states = _launch(inputs, tiles, launch, states, interpret=interpret, **params)
     out = _merge_splits(*states)[:, :, :group]  # [T, K, G, H]
     # Tokens no tile covers (padding) were never written: select zeros for them.
@@ -617,13 +619,11 @@ def ragged_paged_attention(
 def _launch(inputs, tiles, launch: Launch, states=None, *, interpret, **params):
     """One pallas_call of the kernel over `tiles` (rows, starts): the partial states
     (acc, m, l) of their tokens, written into `states` in place when given."""
-    layer, page_table, seq_lens, query_starts, q_groups, k_new, v_new, kv = inputs
-    tile_rows, tile_starts = tiles
+    before_tiles, after_tiles = inputs
     block_q, block_k, num_kv_splits, num_warps, num_stages = launch.tuning
-    num_tokens, num_kv_heads, group_pad, head_dim = q_groups.shape
+    num_tokens, num_kv_heads, group_pad, head_dim = after_tiles[0].shape  # q_groups
     state_shape = (num_kv_splits, num_tokens, num_kv_heads, group_pad)
-    args = (layer, page_table, seq_lens, query_starts, tile_rows, tile_starts)
-    args += (q_groups, k_new, v_new, kv)
+    args = (*before_tiles, *tiles, *after_tiles)
     kernel = functools.partial(_attention_kernel, block_q=block_q, block_k=block_k, **params)
     aliases = {}
     if states is not None:
@@ -637,7 +637,7 @@ def _launch(inputs, tiles, launch: Launch, states=None, *, interpret, **params):
             jax.ShapeDtypeStruct(state_shape, jnp.float32),
             jax.ShapeDtypeStruct(state_shape, jnp.float32),
         ),
-        grid=(tile_rows.shape[0], num_kv_heads, num_kv_splits),
+        grid=(tiles[0].shape[0], num_kv_heads, num_kv_splits),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
