@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from attention import MODELS, WORKLOADS, build_batch, bytes_read, copy_bandwidth, median_seconds
 
-from ksana_jax.pallas_kernels import paged_attention_gpu, reference
+from ksana_jax.pallas_kernels import paged_attention_gpu, paged_attention_gpu_launches, reference
 
-SPLITS = (None, 1, 4, 16)  # None: the kernel's default (paged_attention_gpu.plan_launches)
+SPLITS = (None, 1, 4, 16)  # None: the kernel's default (paged_attention_gpu_launches.plan_launches)
 BLOCK_K = (None, 32, 128)
 LAUNCH = ((None, None), (4, 2), (4, 3), (8, 2), (8, 3))  # (num_warps, num_stages)
 DEFAULT = (None, None, None, None)  # splits, block_k, warps, stages
@@ -31,7 +31,7 @@ def describe_defaults(batch) -> str:
     """What the kernel picks for this batch when the caller names nothing: the tuning of
     each launch it plans (the short rows' first when there are two)."""
     q, kv, page_table = batch[0], batch[3], batch[5]
-    plan = paged_attention_gpu.plan_launches(q.shape, kv.shape, kv.dtype, page_table.shape)
+    plan = paged_attention_gpu_launches.plan_launches(q.shape, kv.shape, kv.dtype, page_table.shape)
     described = []
     for launch in plan:
         tuning = ", ".join(f"{name} {value}" for name, value in launch.tuning._asdict().items())

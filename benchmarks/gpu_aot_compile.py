@@ -68,7 +68,12 @@ from aot_engine_step import lower_decode_step, placed, whole_kv_copies
 from attention import PAGE_SIZE
 from jax.experimental import topologies
 
-from ksana_jax.pallas_kernels import paged_attention_gpu, reference, write_kv_pages_gpu
+from ksana_jax.pallas_kernels import (
+    paged_attention_gpu,
+    paged_attention_gpu_launches,
+    reference,
+    write_kv_pages_gpu,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +272,7 @@ def kernels(model: str, dtype, workloads, extra_launches=(), reference_too=False
         shapes = attention_shapes(WORKLOADS[workload], num_heads, num_kv_heads, head_dim, dtype)
         for warps, stages in [(None, None), *extra_launches]:
             named = {} if warps is None else dict(num_warps=warps, num_stages=stages)
-            plan = paged_attention_gpu.plan_launches(
+            plan = paged_attention_gpu_launches.plan_launches(
                 shapes[0].shape, shapes[3].shape, dtype, shapes[5].shape, **named
             )
             fn = functools.partial(

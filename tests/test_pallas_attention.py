@@ -37,6 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ksana_jax import pallas_kernels
 from ksana_jax.pallas_kernels import (
     paged_attention_gpu,
+    paged_attention_gpu_launches,
     ragged_paged_attention_cpu,
     ragged_paged_attention_tpu,
     ragged_paged_attention_xla,
@@ -284,9 +285,9 @@ def test_gpu_mixed_batch_runs_decode_rows_in_small_tiles():
     rows = [(20, 3), (9, 4), (30, 5), (0, 1), (50, 2), (17, 33)]
     args = make_batch(rows, num_kv_heads=2, group=4, head_dim=64, seed=7)
     check_against_oracle(attention, args, atol=1e-5)
-    assert paged_attention_gpu.decode_block_q(4) == 4
+    assert paged_attention_gpu_launches.decode_block_q(4) == 4
     q, kv, page_table = args[0], args[3], args[5]
-    plan = paged_attention_gpu.plan_launches(
+    plan = paged_attention_gpu_launches.plan_launches(
         q.shape, kv.shape, kv.dtype, page_table.shape, block_q=16, num_kv_splits=2
     )
     assert [(p.new_tokens, p.tuning.block_q, p.tuning.num_kv_splits) for p in plan] == [
@@ -312,13 +313,13 @@ def test_gpu_launch_tiles_cover_every_real_token_once():
         num_tokens, num_seqs = int(rng.integers(1, 96)), int(rng.integers(1, 12))
         group = int(rng.choice([1, 2, 3, 4, 8]))
         block_q = int(rng.choice([0, 2, 4, 8, 16, 32, 64])) or None  # 0: the default
-        if block_q and block_q * paged_attention_gpu._next_pow2(group) < 16:
+        if block_q and block_q * paged_attention_gpu_launches._next_pow2(group) < 16:
             continue
         real = int(rng.integers(0, num_tokens + 1))
         counts = rng.multinomial(real, np.ones(num_seqs) / num_seqs)
         counts = np.where(rng.random(num_seqs) < 0.4, np.minimum(counts, 1), counts)  # decode
         query_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        plan = paged_attention_gpu.plan_launches(
+        plan = paged_attention_gpu_launches.plan_launches(
             (num_tokens, 2 * group, 64), kv_shape, jnp.float32, (num_seqs, 8), block_q=block_q
         )
         covered = np.zeros(num_tokens, int)
@@ -336,7 +337,7 @@ def test_gpu_launch_tiles_cover_every_real_token_once():
 def test_gpu_default_splits_count_query_tiles():
     """Programs are query tiles x KV heads x splits: decode rows are split until there are
     about TARGET_PROGRAMS, a long prefill whose tiles already fill the GPU is not."""
-    gpu = paged_attention_gpu
+    gpu = paged_attention_gpu_launches
     assert gpu.TARGET_PROGRAMS == 1024
     # 32 decode rows (32 tokens, 4-token tiles: one tile a row) x 8 KV heads at 4096 keys
     assert gpu.num_query_tiles(32, 32, 4) == 32
@@ -351,7 +352,7 @@ def test_gpu_tuning_defaults_and_overrides():
     """16-bit KV: 64-key blocks, tiles up to 128 query rows, 3 stages up to head dim 128;
     float32 KV (3xTF32 dots, wider in registers): 32-key blocks, tiles up to 4096 / head_dim
     rows. Named values win."""
-    resolve = paged_attention_gpu.resolve_tuning
+    resolve = paged_attention_gpu_launches.resolve_tuning
     kv = (1, 2, 8, 4097, 16, 128)  # Llama-3-8B-like: 8 KV heads x 128, 32 query heads
     prefill = ((1024, 32, 128), kv, (1, 257))
     bf16 = resolve(prefill[0], kv, jnp.bfloat16, prefill[2])
