@@ -313,7 +313,7 @@ def test_gpu_launch_tiles_cover_every_real_token_once():
         num_tokens, num_seqs = int(rng.integers(1, 96)), int(rng.integers(1, 12))
         group = int(rng.choice([1, 2, 3, 4, 8]))
         block_q = int(rng.choice([0, 2, 4, 8, 16, 32, 64])) or None  # 0: the default
-        if block_q and block_q * paged_attention_gpu_launches._next_pow2(group) < 16:
+        if block_q and block_q * paged_attention_gpu_launches.next_pow2(group) < 16:
             continue
         real = int(rng.integers(0, num_tokens + 1))
         counts = rng.multinomial(real, np.ones(num_seqs) / num_seqs)

@@ -68,7 +68,7 @@ from ksana_jax.pallas_kernels.attention_args import validate_attention_args
 from ksana_jax.pallas_kernels.paged_attention_gpu_launches import (
     MIN_DOT_DIM,
     Launch,
-    _next_pow2,
+    next_pow2,
     plan_launches,
 )
 
@@ -192,7 +192,7 @@ def _chunking(block_k: int, page_size: int, page_ids: int) -> tuple[int, int]:
     extra = 0 if block_k % page_size == 0 else 1
     blocks = max(1, ((page_ids - extra) * page_size) // block_k)
     chunk_keys = blocks * block_k
-    return chunk_keys, _next_pow2(-(-chunk_keys // page_size) + extra)
+    return chunk_keys, next_pow2(-(-chunk_keys // page_size) + extra)
 
 
 def _attend_new_keys(state, q, k_new_ref, v_new_ref, kv_head, key_range, q_tokens, update, block_k):
@@ -366,7 +366,7 @@ def ragged_paged_attention(
     num_kv_heads, page_size = kv.shape[2], kv.shape[4]
     num_seqs, max_pages = page_table.shape
     group = num_heads // num_kv_heads
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     plan = plan_launches(
         q.shape,
         kv.shape,

@@ -15,7 +15,8 @@ from jax.experimental import pallas as pl
 MIN_DOT_DIM = 16  # Triton's tl.dot needs M, N, K >= 16
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
 
 
@@ -50,16 +51,16 @@ class Tuning(NamedTuple):
 def decode_block_q(group: int) -> int:
     """Tokens per query tile for decode rows: the fewest whose queries make the 16 rows a
     dot needs (G_pad query rows a token)."""
-    return max(1, MIN_DOT_DIM // _next_pow2(group))
+    return max(1, MIN_DOT_DIM // next_pow2(group))
 
 
 def default_block_q(num_tokens: int, num_seqs: int, group: int, max_rows: int = 128) -> int:
     """Tokens per query tile: about the mean row length, with block_q * G_pad in
     [16, max_rows]."""
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     lo = max(1, MIN_DOT_DIM // group_pad)
     hi = max(lo, max_rows // group_pad)
-    return int(np.clip(_next_pow2(max(1, num_tokens // max(1, num_seqs))), lo, hi))
+    return int(np.clip(next_pow2(max(1, num_tokens // max(1, num_seqs))), lo, hi))
 
 
 def num_query_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -146,7 +147,7 @@ def resolve_tuning(
             max_pages * page_size,
             block_k,
         )
-    rows = block_q * _next_pow2(group)
+    rows = block_q * next_pow2(group)
     if wide:
         warps, stages = (8, 2) if rows >= 32 else (8 if head_dim > 128 else 4, 3)
     else:
