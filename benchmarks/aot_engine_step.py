@@ -39,7 +39,9 @@ def lower_decode_step(
     `platform` meanwhile, so the model traces the compiled kernels, not the interpreter."""
     config = EngineConfig(**DECODE_BUCKET, attention_backend=backend, **config)
     step_runner = runner.ModelRunner(model, config)
-    inputs, sampling = step_runner.padding_inputs(32, 32, 1024)
+    inputs, sampling = step_runner.padding_inputs(
+        config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
+    )
     kv = jax.ShapeDtypeStruct(step_runner.kv.shape, step_runner.kv.dtype)
     default_backend = jax.default_backend
     jax.default_backend = lambda: platform

@@ -65,7 +65,6 @@ import attention
 import jax
 import jax.numpy as jnp
 from aot_engine_step import lower_decode_step, placed, whole_kv_copies
-from attention import PAGE_SIZE
 from jax.experimental import topologies
 
 from ksana_jax.pallas_kernels import (
@@ -246,19 +245,8 @@ def programs_per_sm(gpu: Gpu, threads: int, registers: int, shared_bytes: int) -
 
 def attention_shapes(rows, num_heads: int, num_kv_heads: int, head_dim: int, dtype):
     """Shapes of benchmarks/attention.py's batch for `rows` [(cached, new)]; no data."""
-    sds = jax.ShapeDtypeStruct
-    pages = [-(-(c + n) // PAGE_SIZE) for c, n in rows]
-    num_tokens, num_seqs = sum(n for _, n in rows), len(rows)
-    return (
-        sds((num_tokens, num_heads, head_dim), jnp.float32),
-        sds((num_tokens, num_kv_heads, head_dim), dtype),
-        sds((num_tokens, num_kv_heads, head_dim), dtype),
-        sds((1, 2, num_kv_heads, 1 + sum(pages), PAGE_SIZE, head_dim), dtype),
-        sds((), jnp.int32),
-        sds((num_seqs, max(pages)), jnp.int32),
-        sds((num_seqs,), jnp.int32),
-        sds((num_seqs + 1,), jnp.int32),
-    )
+    batch = functools.partial(attention.build_batch, rows, num_heads, num_kv_heads, head_dim, dtype)
+    return jax.eval_shape(batch)
 
 
 def kernels(model: str, dtype, workloads, extra_launches=(), reference_too=False):
