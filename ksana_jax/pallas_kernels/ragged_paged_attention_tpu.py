@@ -68,6 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
+from ksana_jax.pallas_kernels.dma_pipeline_tpu import cdiv, double_buffered_rows_loop
 
 LANES = 128  # the m/l scratch is replicated across one lane tile
 DEFAULT_TOKENS_PER_PAGE_BLOCK = 256
@@ -144,54 +145,6 @@ def _online_softmax_update(q, k, v, visible, key_valid, sm_scale, m_ref, l_ref, 
     m_ref[...] = m_next
 
 
-def _cdiv(a, b: int):
-    """ceil(a / b) for a >= 0 (lax.div truncates; `//` lowers through sign, which needs a
-    TPU generation at lowering time)."""
-    return lax.div(a + (b - 1), b)
-
-
-def _when(pred, fn) -> None:
-    if pred is True:
-        fn()
-    else:
-        pl.when(pred)(fn)
-
-
-def _double_buffered_rows_loop(first_row, last_row, num_items, copies, compute):
-    """Runs compute(row, item, slot) for every row in [first_row, last_row] and item in
-    [0, num_items(row)), copying the next item's data (into the other slot) while the current
-    one is computed. `copies(row, item, slot)` lists (async copy, predicate) pairs; a copy is
-    started and waited on under the same predicate. num_items(row) must be >= 1."""
-
-    def start(row, item, slot):
-        for copy, pred in copies(row, item, slot):
-            _when(pred, copy.start)
-
-    def wait(row, item, slot):
-        for copy, pred in copies(row, item, slot):
-            _when(pred, copy.wait)
-
-    @pl.when(first_row <= last_row)
-    def _():
-        start(first_row, 0, 0)
-
-    def body(carry):
-        row, item, slot = carry
-        last_item = item + 1 >= num_items(row)
-        next_row = jnp.where(last_item, row + 1, row)
-        next_item = jnp.where(last_item, 0, item + 1)
-
-        @pl.when(next_row <= last_row)
-        def _():
-            start(next_row, next_item, 1 - slot)
-
-        wait(row, item, slot)
-        compute(row, item, slot)
-        return next_row, next_item, 1 - slot
-
-    lax.while_loop(lambda c: c[0] <= last_row, body, (first_row, jnp.int32(0), jnp.int32(0)))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Step:
     """What every phase of one grid step (KV head, query block) reads."""
@@ -234,10 +187,10 @@ def _attend_cached_pages(step: _Step, kv_hbm, k_buf, v_buf, sems):
     max_pages = step.page_table_ref.shape[1]
 
     def num_blocks(row):
-        return jnp.maximum(1, _cdiv(step.num_cached(row), keys_per_block))
+        return jnp.maximum(1, cdiv(step.num_cached(row), keys_per_block))
 
     def copies(row, block, slot):
-        num_pages = _cdiv(step.num_cached(row), page_size)
+        num_pages = cdiv(step.num_cached(row), page_size)
         out = []
         for i in range(pages_per_block):
             index = block * pages_per_block + i
@@ -262,7 +215,7 @@ def _attend_cached_pages(step: _Step, kv_hbm, k_buf, v_buf, sems):
             key_valid = first_key + lax.broadcasted_iota(jnp.int32, k.shape, 0) < cached
             step.update(k, v, visible, key_valid)
 
-    _double_buffered_rows_loop(step.first_row, step.last_row, num_blocks, copies, attend)
+    double_buffered_rows_loop(step.first_row, step.last_row, num_blocks, copies, attend)
 
 
 def _attend_new_tokens(step: _Step, k_new_hbm, v_new_hbm, k_buf, v_buf, sems):
@@ -304,7 +257,7 @@ def _attend_new_tokens(step: _Step, k_new_hbm, v_new_hbm, k_buf, v_buf, sems):
     def num_blocks(row):
         return first_block_and_count(row)[1]
 
-    _double_buffered_rows_loop(step.first_row, step.last_row, num_blocks, copies, attend)
+    double_buffered_rows_loop(step.first_row, step.last_row, num_blocks, copies, attend)
 
 
 def _attention_kernel(
