@@ -195,7 +195,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--max-pending-requests",
         type=int,
         default=1024,
-        help="requests queued or running before new ones get 503 (default 1024)",
+        help="sequences (prompts x n) queued or running before new requests get 503 (default 1024)",
     )
     p.add_argument(
         "--log-level",

@@ -63,15 +63,17 @@ def serve(
         return
     shapes = len(engine.runner.bucket_shapes())
     print(
-        f"ksana-jax: loaded {name} in {time.perf_counter() - start:.1f}s; compiling {shapes} "
-        f"step shapes before /health turns 200",
+        f"ksana-jax: loaded {name} in {time.perf_counter() - start:.1f}s, "
+        f"{loaded.plan.describe()}, attention backend {engine.runner.backend}; compiling "
+        f"{shapes} step shapes before /health turns 200",
         file=sys.stderr,
         flush=True,
     )
     async_engine = AsyncEngine(engine, warm_up=True)
+    key_source = "flag" if api_key else "env" if os.environ.get("KSANA_API_KEY") else None
     api_key = api_key or os.environ.get("KSANA_API_KEY")
     app = create_app(async_engine, name, api_key, max_pending_requests)
-    app.on_startup.append(lambda: _announce(async_engine, host, port, name, start))
+    app.on_startup.append(lambda: _announce(async_engine, host, port, name, start, key_source))
 
     def stop_engine() -> None:  # idempotent
         async_engine.shutdown()
@@ -88,8 +90,14 @@ def serve(
         stop_engine()
 
 
-def _announce(engine: AsyncEngine, host: str, port: int, name: str, start: float) -> None:
+def _announce(
+    engine: AsyncEngine, host: str, port: int, name: str, start: float, key_source: str | None
+) -> None:
+    """Once warm-up is done, prints a curl line to paste. With an API key ("flag" or "env")
+    the line reads it from $KSANA_API_KEY, so the key itself never reaches the log."""
     url = f"http://{host}:{port}"
+    auth = ' -H "Authorization: Bearer $KSANA_API_KEY"' if key_source else ""
+    hint = "  (first: export KSANA_API_KEY=<your --api-key>)" if key_source == "flag" else ""
 
     def wait() -> None:
         engine.ready.wait()
@@ -97,8 +105,8 @@ def _announce(engine: AsyncEngine, host: str, port: int, name: str, start: float
             return
         print(
             f"ksana-jax: ready in {time.perf_counter() - start:.1f}s, serving {name} at {url}\n"
-            f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-            f'-d \'{{"prompt": "The capital of France is", "max_tokens": 16}}\'',
+            f"  curl {url}/v1/completions{auth} -H 'Content-Type: application/json' "
+            f'-d \'{{"prompt": "The capital of France is", "max_tokens": 16}}\'{hint}',
             file=sys.stderr,
             flush=True,
         )

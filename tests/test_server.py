@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,25 +47,36 @@ def start_server(
     cache = os.environ.get("KSANA_TEST_JAX_CACHE", str(Path.home() / ".cache/ksana-jax/jax"))
     cmd = [sys.executable, "-m", "ksana_jax.cli", "serve", str(model), "--port", str(port)]
     cmd += ["--compilation-cache-dir", cache, "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # The log goes to a file, so that a test can read it while the server runs.
+    log_file = tempfile.NamedTemporaryFile(prefix="ksana-serve-", suffix=".log")  # noqa: SIM115 (stop_server closes it)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+    proc.log_file = log_file
     url = f"http://127.0.0.1:{port}"
 
     def log() -> str:
         proc.kill()
-        return proc.stdout.read().decode()
+        proc.wait()
+        return server_log(proc)
 
     wait_healthy(url, proc, timeout, log, interval=0.2)
     return proc, url
 
 
+def server_log(proc: subprocess.Popen) -> str:
+    """What a server started by `start_server` has printed so far."""
+    return Path(proc.log_file.name).read_bytes().decode()
+
+
 def stop_server(proc: subprocess.Popen) -> str:
     proc.terminate()
     try:
-        out, _ = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, _ = proc.communicate()
-    return out.decode()
+        proc.wait()
+    log = server_log(proc)
+    proc.log_file.close()
+    return log
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +87,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir):
+def server_process(tiny_dir):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
     proc, url = start_server(
         tiny_dir,
@@ -87,9 +99,14 @@ def server(tiny_dir):
         "--max-pending-requests",
         str(MAX_PENDING),
     )
-    yield url
+    yield proc, url
     log = stop_server(proc)
     assert "Traceback" not in log, log
+
+
+@pytest.fixture(scope="module")
+def server(server_process):
+    return server_process[1]
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +289,30 @@ def test_models_health_and_metrics(client, server):
         assert name in text, name
     schema = httpx.get(f"{server}/schema/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions"} <= set(schema["paths"])
+
+
+def test_startup_log_says_the_plan_and_prints_a_curl_line_that_works(server_process):
+    """The log names the mesh and attention backend, and its ready line, pasted into a shell
+    with $KSANA_API_KEY set, completes; the key itself is never printed."""
+    proc, url = server_process
+    deadline = time.monotonic() + 30  # printed once warm-up ends, about when /health turns 200
+    while "curl " not in (log := server_log(proc)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "mesh (data 1 x model 1 x kv_replica 1): one device" in log, log
+    assert "attention backend cpu" in log, log
+    assert API_KEY not in log
+    (line,) = [x.strip() for x in log.splitlines() if x.strip().startswith("curl ")]
+    command, hint = line.split("  (first: ")
+    assert command.startswith(f"curl {url}/v1/completions")
+    assert hint == "export KSANA_API_KEY=<your --api-key>)"  # the key came from --api-key
+    env = {**os.environ, "KSANA_API_KEY": API_KEY}
+    done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    body = json.loads(done.stdout)
+    assert body["object"] == "text_completion" and body["choices"][0]["text"], body
+    without_key = {k: v for k, v in env.items() if k != "KSANA_API_KEY"}
+    done = subprocess.run(["bash", "-c", command], env=without_key, capture_output=True)
+    assert "invalid API key" in done.stdout.decode()  # so the header is what authorised it
 
 
 # ---------------------------------------------------------------------------- under load
