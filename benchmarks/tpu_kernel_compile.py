@@ -132,6 +132,13 @@ def main() -> None:
         "pinned and not, and count its whole-KV copies",
     )
     args = parser.parse_args()
+    try:
+        one_chip(args.topologies.split(",")[0])
+    except RuntimeError:  # "JAX TPU support not installed": no libtpu to describe a TPU with
+        raise SystemExit(
+            "no libtpu: install it beside the venv and put it on PYTHONPATH, as this script's "
+            "docstring says"
+        ) from None
     failures = 0
     print(f"{'topology':10s} {'model':10s} {'dtype':9s} {'kernel':17s} result")
     for topology in args.topologies.split(","):
