@@ -142,6 +142,17 @@ def _bad_request(e: ValueError, default_param: str | None = None) -> APIError:
     return APIError(400, message, param=param or default_param)
 
 
+def _renamed(error: APIError, sent_as: dict[str, str]) -> APIError:
+    """`error` naming the field as the client sent it (`sent_as`: engine name -> client's)."""
+    name = sent_as.get(error.param or "")
+    if name is None:
+        return error
+    message = error.message
+    if message.startswith(error.param):  # engine messages start with the field's name
+        message = name + message[len(error.param) :]
+    return APIError(error.status, message, name, error.code, error.headers)
+
+
 # ------------------------------------------------------------------------- running
 
 
@@ -486,11 +497,17 @@ async def create_chat_completion(request: Request, data: s.ChatCompletionRequest
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     n_top = data.top_logprobs or 0
     max_tokens = data.max_completion_tokens or data.max_tokens
-    params = _sampling_params(data, max_tokens, n_top if data.logprobs else None)
-    prompt = _chat_prompt(state, data)
+    # The engine's names for what a chat client sent under other names.
+    sent_as = {"logprobs": "top_logprobs"}
+    if data.max_completion_tokens is not None:
+        sent_as["max_tokens"] = "max_completion_tokens"
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     request.state.request_id = request_id
-    run = await _Run.start(state, request_id, [prompt], params)
+    try:
+        params = _sampling_params(data, max_tokens, n_top if data.logprobs else None)
+        run = await _Run.start(state, request_id, [_chat_prompt(state, data)], params)
+    except APIError as e:
+        raise _renamed(e, sent_as) from None
     tokenizer = state.engine.engine.tokenizer
     created = int(time.time())
 

@@ -25,6 +25,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    499: "invalid_request_error",  # the client closed the request
     503: "service_unavailable",
 }
 
@@ -71,6 +72,7 @@ def _api_error(_: Request, exc: APIError) -> Response:
 
 
 _FIELD = re.compile(r"field `([A-Za-z_]\w*)`")
+_NAME = re.compile(r"[A-Za-z_]\w*")
 
 
 def _validation_error(_: Request, exc: ValidationException) -> Response:
@@ -81,8 +83,11 @@ def _validation_error(_: Request, exc: ValidationException) -> Response:
         if isinstance(item, dict) and item.get("message"):
             message = str(item["message"])
             key = str(item.get("key") or "")
-            if key and key != "data":
-                param = key.split(".", 1)[0]
+            if key == "data":  # the body as a whole
+                if message == "'data'":  # how Litestar says there was no body
+                    message = "the request body is empty or missing: expected a JSON object"
+            elif match := _NAME.match(key):  # "logit_bias[...]", "messages[0]": the field
+                param = match.group(0)
                 message = f"{key}: {message}"
             break
     if param is None and (match := _FIELD.search(message)):  # unknown or missing field
@@ -90,8 +95,15 @@ def _validation_error(_: Request, exc: ValidationException) -> Response:
     return error_response(400, message, param)
 
 
+# What Litestar raises (as a 500) when the client leaves while its body is being read.
+_CLIENT_GONE = "client disconnected prematurely"
+
+
 def _http_error(_: Request, exc: HTTPException) -> Response:
     status = exc.status_code
+    if exc.detail == _CLIENT_GONE:  # nobody to answer and nothing went wrong here
+        log.info("a client left while sending its request")
+        return error_response(499, exc.detail)
     if status >= 500:  # Litestar's own 5xx (none expected) is still one request's failure
         log.error("HTTP %s: %s", status, exc.detail)
     return error_response(status, exc.detail or "error", headers=exc.headers)

@@ -25,33 +25,49 @@ Stop = str | list[str]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
+    include_usage: bool | None = False
+
+    def __post_init__(self) -> None:
+        _null_means_default(self)
+
+
+def _null_means_default(struct: msgspec.Struct) -> None:
+    """OpenAI's spec makes most request fields nullable, and clients (LiteLLM, LangChain, the
+    openai package given None) send null for "not set": a field declared `X | None` with a
+    default other than None takes that default. (`max_tokens: null` stays None: no limit
+    but the context, as in vLLM.)"""
+    for field in msgspec.structs.fields(struct):
+        if field.name == "max_tokens" or field.default in (None, msgspec.NODEFAULT):
+            continue
+        if getattr(struct, field.name) is None:
+            setattr(struct, field.name, field.default)
 
 
 class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions (null: the default, see
+    `_null_means_default`)."""
 
     model: str | None = None
     max_tokens: PositiveInt | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    n: Annotated[int, Meta(ge=1, le=128)] = 1
-    stream: bool = False
+    temperature: Temperature | None = 1.0
+    top_p: TopP | None = 1.0
+    n: Annotated[int, Meta(ge=1, le=128)] | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
     seed: Seed | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
     user: str | None = None
     # vLLM's extensions
-    top_k: Annotated[int, Meta(ge=-1)] = 0
-    min_p: Annotated[float, Meta(ge=0, le=1)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
-    min_tokens: NonNegInt = 0
-    ignore_eos: bool = False
+    top_k: Annotated[int, Meta(ge=-1)] | None = 0
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = 1.0
+    min_tokens: NonNegInt | None = 0
+    ignore_eos: bool | None = False
     stop_token_ids: list[NonNegInt] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
     # OpenAI fields the engine does not implement: a request that sets one gets a 400.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
@@ -61,6 +77,9 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        _null_means_default(self)
 
 
 UNSUPPORTED_FIELDS = (
@@ -80,7 +99,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[str | int | list[int]]
     max_tokens: PositiveInt | None = 16
     logprobs: NonNegInt | None = None
-    echo: bool = False
+    echo: bool | None = False
 
 
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -97,9 +116,9 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: NonNegInt | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = True
 
 
 # ---------------------------------------------------------------------------- responses

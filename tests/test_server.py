@@ -12,6 +12,7 @@ import collections
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -339,6 +340,29 @@ def test_64_concurrent_streams_all_correct(server, llm):
     assert metric(server, "ksana_compilations_total") == compilations
 
 
+def test_a_client_that_leaves_mid_body_is_no_server_error(server_process):
+    """A request whose client closes the connection before its body is all sent: nothing is
+    queued and the log has no error (it logged "HTTP 500" at ERROR)."""
+    proc, url = server_process
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps(OK).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body) + 50}\r\n\r\n"
+    )
+    before = server_log(proc)
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(head.encode() + body)  # 50 bytes short
+    time.sleep(1)
+    assert post(url, "/v1/completions", OK).status_code == 200
+    new_lines = server_log(proc)[len(before) :]
+    assert "ERROR" not in new_lines and "500" not in new_lines, new_lines
+    assert (
+        metric(url, "ksana_num_requests_waiting") == metric(url, "ksana_num_requests_running") == 0
+    )
+
+
 def test_disconnects_abort_and_free_pages(server):
     idle = metric(server, "ksana_kv_cache_usage_ratio")
     generated = metric(server, "ksana_generation_tokens_total")
@@ -407,7 +431,12 @@ CHAT_OK = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "w5"}],
         ("/v1/chat/completions", CHAT_OK | {"messages": []}, "messages"),
         ("/v1/chat/completions", CHAT_OK | {"messages": [{"role": "x", "content": "a"}]}, None),
         ("/v1/chat/completions", CHAT_OK | {"top_logprobs": 2}, "top_logprobs"),
-        ("/v1/chat/completions", CHAT_OK | {"logprobs": True, "top_logprobs": 9}, "logprobs"),
+        ("/v1/chat/completions", CHAT_OK | {"logprobs": True, "top_logprobs": 9}, "top_logprobs"),
+        ("/v1/chat/completions", CHAT_OK | {"max_completion_tokens": 500}, "max_completion_tokens"),
+        ("/v1/chat/completions", CHAT_OK | {"max_tokens": 500}, "max_tokens"),
+        ("/v1/completions", OK | {"logit_bias": {"5": "x"}}, "logit_bias"),
+        ("/v1/completions", OK | {"stop": ["a", 5]}, "stop"),
+        ("/v1/completions", b"", None),
     ],
 )
 def test_bad_request_is_400_naming_the_field(server, path, body, param):
@@ -420,6 +449,23 @@ def test_bad_request_is_400_naming_the_field(server, path, body, param):
         assert param in error["message"]
 
 
+def test_null_means_the_default(server):
+    """OpenAI's nullable fields sent as null (as LiteLLM and LangChain do) act as absent."""
+    nullable = ["temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty"]
+    nullable += ["top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "echo"]
+    body = OK | {"seed": 7, "max_tokens": 6, "stream_options": {"include_usage": None}}
+    want = post(server, "/v1/completions", body)
+    got = post(server, "/v1/completions", body | dict.fromkeys(nullable))
+    assert want.status_code == got.status_code == 200, got.text
+    assert got.json()["choices"] == want.json()["choices"]
+    chat = CHAT_OK | {"seed": 7}
+    want = post(server, "/v1/chat/completions", chat)
+    nulls = dict.fromkeys(["logprobs", "add_generation_prompt", "temperature", "n"])
+    got = post(server, "/v1/chat/completions", chat | nulls)
+    assert want.status_code == got.status_code == 200, got.text
+    assert got.json()["choices"] == want.json()["choices"]
+
+
 def test_other_errors(server):
     too_long = post(server, "/v1/completions", OK | {"max_tokens": 127})
     assert too_long.status_code == 400
@@ -428,6 +474,8 @@ def test_other_errors(server):
 
     malformed = post(server, "/v1/completions", b'{"prompt": "w5",')
     assert malformed.status_code == 400 and malformed.json()["error"]["message"]
+    empty = post(server, "/v1/completions", b"")
+    assert empty.status_code == 400 and "empty" in empty.json()["error"]["message"]
 
     unknown = post(server, "/v1/completions", OK | {"model": "gpt-4"})
     assert unknown.status_code == 404
