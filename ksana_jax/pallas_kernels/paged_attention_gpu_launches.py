@@ -176,12 +176,13 @@ class Launch(NamedTuple):
     def tiles(self, query_starts, num_tokens: int):
         """Row and first token of each of this launch's query tiles (`_query_tiles`), with
         room for any batch of the bucket: at most T // (lo + 1) rows have more than lo
-        tokens, and a row of at most block_q tokens is one tile."""
+        tokens, a row of at most block_q tokens is one tile, and every tile holds a token."""
         lo, hi = self.new_tokens
         block_q = self.tuning.block_q
         num_seqs = query_starts.shape[0] - 1
         rows = min(num_seqs, num_tokens // (lo + 1)) if lo >= 0 else num_seqs
-        num_tiles = rows if hi <= block_q else pl.cdiv(num_tokens, block_q) + rows
+        most = rows if hi <= block_q else pl.cdiv(num_tokens, block_q) + rows
+        num_tiles = min(most, num_tokens)
         counts = query_starts[1:] - query_starts[:-1]
         taken = (counts > lo) & (counts <= hi)
         return _query_tiles(query_starts, num_tiles, block_q, taken)
