@@ -10,7 +10,9 @@ and `IncrementalDetokenizer`, which streams text without ever cutting a UTF-8 ch
 from __future__ import annotations
 
 import datetime
+import functools
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -128,6 +130,43 @@ class Tokenizer:
             return self._spm_piece(token_id)
         return self._backend.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token `token_id` stands for, also when it holds only part of a UTF-8
+        character (where `decode([token_id])` gives U+FFFD): byte-level BPE pieces mapped back
+        through GPT-2's byte alphabet, byte-fallback pieces ("<0xF0>") as their byte,
+        sentencepiece's "▁" as a space, special tokens as their text."""
+        piece = self.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._is_spm:
+            if self._backend.is_byte(token_id):
+                return bytes([int(piece[3:-1], 16)])
+        elif token_id in self._added_token_ids:
+            return piece.encode()
+        elif self._byte_level:
+            byte_of = _gpt2_byte_decoder()
+            if all(c in byte_of for c in piece):
+                return bytes(byte_of[c] for c in piece)
+        elif _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(piece[3:-1], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self._backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether tokenizer.json decodes with ByteLevel (GPT-2-style byte alphabet pieces)."""
+
+        def has_byte_level(decoder: Any) -> bool:
+            if not isinstance(decoder, Mapping):
+                return False
+            inner = decoder.get("decoders") or []
+            return decoder.get("type") == "ByteLevel" or any(map(has_byte_level, inner))
+
+        return has_byte_level(json.loads(self._backend.to_str()).get("decoder"))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; BOS/EOS added only where the source's config says so."""
         if not self._is_spm:
@@ -195,6 +234,19 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             **kwargs,
         )
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+@functools.cache
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> byte: printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for the chars from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    return {c: b for b, c in chars.items()}
 
 
 class TemplateError(ValueError):

@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ksana_jax.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from ksana_jax.outputs import CompletionOutput, RequestOutput
 from ksana_jax.sampling_params import SamplingParams
-from ksana_jax.tokenizer import TemplateError
+from ksana_jax.tokenizer import IncrementalDetokenizer, TemplateError
 from server import schemas as s
 from server.errors import EXCEPTION_HANDLERS, APIError, error_body
 from server.metrics import Metrics
@@ -373,20 +373,44 @@ def _completion_prompts(prompt: str | list) -> list[Prompt]:
     )
 
 
+def _token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
+    """A token's text and raw bytes, for logprobs. A token holding part of a UTF-8
+    character reads "bytes:\\xf0\\x9f" (escaped), its bytes exact: joined, the bytes of a
+    choice's tokens rebuild its text."""
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode(), raw
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+class _TextOffsets:
+    """Where each token of a choice starts in its text: the characters the tokens before it
+    complete, read off the same detokenizer that makes the text, so streamed and whole
+    responses agree whatever the tokenizer and however the text is held back."""
+
+    def __init__(self, tokenizer, out: RequestOutput, skip_special_tokens: bool, start: int):
+        self._text = IncrementalDetokenizer(tokenizer, out.prompt_token_ids, skip_special_tokens)
+        self._start = start
+
+    def next(self, token_id: int) -> int:
+        offset = self._start + len(self._text.text)
+        self._text.add(token_id)
+        return offset
+
+
 def _completion_logprobs(
-    tokenizer, choice: CompletionOutput, tokens: range, offset: int, n_top: int
+    tokenizer, choice: CompletionOutput, tokens: range, offsets: _TextOffsets, n_top: int
 ) -> s.CompletionLogprobs:
-    texts, lps, tops, offsets = [], [], [], []
+    texts, lps, tops, text_offsets = [], [], [], []
     for t in tokens:
         token_id = choice.token_ids[t]
         entry = choice.logprobs[t]
-        text = tokenizer.decode([token_id])
-        texts.append(text)
+        texts.append(_token_text(tokenizer, token_id)[0])
         lps.append(entry[token_id])
-        tops.append({tokenizer.decode([i]): lp for i, lp in list(entry.items())[:n_top]})
-        offsets.append(offset)
-        offset += len(text)
-    return s.CompletionLogprobs(texts, lps, tops, offsets)
+        tops.append({_token_text(tokenizer, i)[0]: lp for i, lp in list(entry.items())[:n_top]})
+        text_offsets.append(offsets.next(token_id))
+    return s.CompletionLogprobs(texts, lps, tops, text_offsets)
 
 
 @post("/v1/completions", status_code=200, guards=[_require_api_key])
@@ -408,11 +432,18 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Any:
             return ""
         return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
 
+    offsets: dict[tuple[int, int], _TextOffsets] = {}  # per choice, over all its chunks
+
     def choice(i: int, out: RequestOutput, c: CompletionOutput, text: str, tokens: range):
         logprobs = None
         if data.logprobs is not None:
-            offset = len(echo(out)) + len(c.text) - len(text) if tokens else 0
-            logprobs = _completion_logprobs(tokenizer, c, tokens, offset, data.logprobs)
+            if (i, c.index) not in offsets:
+                start = len(echo(out))
+                skip = data.skip_special_tokens
+                offsets[i, c.index] = _TextOffsets(tokenizer, out, skip, start)
+            logprobs = _completion_logprobs(
+                tokenizer, c, tokens, offsets[i, c.index], data.logprobs
+            )
         return s.CompletionChoice(i * n + c.index, text, logprobs, c.finish_reason)
 
     if not data.stream:
@@ -482,10 +513,10 @@ def _chat_logprobs(tokenizer, choice: CompletionOutput, tokens: range, n_top: in
         entry = choice.logprobs[t]
         top = []
         for i, lp in list(entry.items())[:n_top]:
-            text = tokenizer.decode([i])
-            top.append(s.TopLogprob(text, lp, list(text.encode())))
-        text = tokenizer.decode([token_id])
-        content.append(s.TokenLogprob(text, entry[token_id], list(text.encode()), top))
+            text, raw = _token_text(tokenizer, i)
+            top.append(s.TopLogprob(text, lp, list(raw)))
+        text, raw = _token_text(tokenizer, token_id)
+        content.append(s.TokenLogprob(text, entry[token_id], list(raw), top))
     return s.ChoiceLogprobs(content)
 
 

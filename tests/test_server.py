@@ -211,6 +211,29 @@ def test_echo_n_seed_and_logprobs(client, llm):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_streamed_logprobs_equal_whole_ones(client):
+    """Streamed chunks' logprobs, joined, equal the whole response's, text offsets included,
+    also while a stop string holds text back; each token is at its offset in the text."""
+    for extra in ({}, {"stop": ["zzz"]}, {"n": 2, "temperature": 1.0, "seed": 3}):
+        kw = dict(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, logprobs=2)
+        kw |= {"temperature": 0} | extra
+        whole = client.completions.create(**kw)
+        streamed = collections.defaultdict(lambda: ([], [], []))
+        for chunk in client.completions.create(**kw, stream=True):
+            for c in chunk.choices:
+                if c.logprobs is not None:
+                    tokens, offsets, logprobs = streamed[c.index]
+                    tokens += c.logprobs.tokens
+                    offsets += c.logprobs.text_offset
+                    logprobs += c.logprobs.token_logprobs
+        for c in whole.choices:
+            lp = c.logprobs
+            assert streamed[c.index] == (lp.tokens, lp.text_offset, lp.token_logprobs), extra
+            for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+                if token not in ("<s>", "</s>", "<unk>"):  # special tokens: not in the text
+                    assert c.text[offset:].lstrip().startswith(token), (c.text, offset)
+
+
 def test_stop_strings(client, llm):
     (full,) = greedy(llm, [PROMPTS[0]], max_tokens=12)
     words = full.text.split()
@@ -663,6 +686,11 @@ def test_smollm2_server_equals_llm(smollm2_dir):
         completion = client.completions.create(
             model=name, prompt=prompt, temperature=0, max_tokens=24
         )
+        # Byte-level tokens that hold parts of a character: their bytes rebuild the text.
+        emoji = [{"role": "user", "content": "Reply with only emojis: 🎉🎉🎉😀😀"}]
+        with_logprobs = client.chat.completions.create(
+            model=name, messages=emoji, temperature=0, max_tokens=12, logprobs=True
+        )
     finally:
         log = stop_server(proc)
     assert "Traceback" not in log, log
@@ -673,3 +701,7 @@ def test_smollm2_server_equals_llm(smollm2_dir):
     assert chat.choices[0].message.content == want_chat.outputs[0].text
     assert "Paris" in chat.choices[0].message.content
     assert completion.choices[0].text == want_completion.outputs[0].text
+    (choice,) = with_logprobs.choices
+    joined = b"".join(bytes(t.bytes) for t in choice.logprobs.content)
+    assert joined.decode(errors="ignore").startswith(choice.message.content)
+    assert any(ord(ch) > 0xFFFF for ch in choice.message.content)  # an emoji, 4 UTF-8 bytes

@@ -137,6 +137,51 @@ def test_no_chat_template_is_a_clear_error(tmp_path):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
 
 
+@pytest.fixture(scope="module")
+def hf_from_spm_dir(spm_dir, tmp_path_factory):
+    """The same sentencepiece model as a tokenizer.json (Metaspace, byte fallback), as
+    transformers converts Llama-style tokenizers."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("hf-spm")
+    transformers.AutoTokenizer.from_pretrained(spm_dir).save_pretrained(path)
+    (path / "tokenizer.model").unlink(missing_ok=True)  # so tokenizer.json is what loads
+    return path
+
+
+BYTES_TEXTS = ["Emoji 🤗🚀 and 日本語, café", "a👨‍👩‍👧b\ttab", "plain words only"]
+
+
+@pytest.mark.parametrize("text", BYTES_TEXTS)
+@pytest.mark.parametrize("backend", ["byte_level", "sentencepiece", "tokenizer_json_spm"])
+def test_token_bytes_rebuild_the_text(backend, text, request):
+    """Joined, the raw bytes of a text's tokens are the text's UTF-8 (sentencepiece: after
+    its dummy-prefix space), although single tokens hold only parts of a character."""
+    if backend == "byte_level":
+        tok = request.getfixturevalue("smollm2").tokenizer
+    else:
+        fixture = "spm_dir" if backend == "sentencepiece" else "hf_from_spm_dir"
+        tok = Tokenizer.from_dir(request.getfixturevalue(fixture))
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.token_bytes(i) for i in ids]
+    joined = b"".join(pieces)
+    if backend != "byte_level":
+        assert joined.startswith(b" ")
+        joined = joined[1:]
+    assert joined == text.encode()
+    if "🤗" in text:  # some tokens hold part of a character, which decode() shows as U+FFFD
+        assert any(not _is_utf8(p) for p in pieces)
+    assert tok.token_bytes(tok.eos_token_id) == tok.eos_token.encode()
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _stream(tok: Tokenizer, ids, prompt_ids=()):
     detok = IncrementalDetokenizer(tok, prompt_ids)
     deltas = [detok.add(i) for i in ids]
