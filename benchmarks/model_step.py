@@ -30,7 +30,7 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_ksana(path: Path, repeats: int, context: int) -> dict[str, float]:
+def bench_ksana(path: Path, repeats: int, context: int, backend: str) -> dict[str, float]:
     import ksana_jax
     from ksana_jax.kv_cache import KVCacheSpec, allocate_kv
     from ksana_jax.step import logits_step
@@ -51,7 +51,9 @@ def bench_ksana(path: Path, repeats: int, context: int) -> dict[str, float]:
     last = jnp.zeros(1, jnp.int32)
 
     def run(inputs):
-        logits, state["kv"] = logits_step(model.params, model.config, state["kv"], inputs, last)
+        logits, state["kv"] = logits_step(
+            model.params, model.config, state["kv"], inputs, last, backend=backend
+        )
         jax.block_until_ready(logits)
 
     start = time.perf_counter()
@@ -94,6 +96,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--context", type=int, default=512, help="KV pages per sequence x 16")
+    parser.add_argument(
+        "--backend", default="auto", help="attention backend (auto: the engine's, cpu here)"
+    )
     args = parser.parse_args()
     from checkpoints_tools import convert
 
@@ -101,11 +106,14 @@ def main() -> None:
     gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = convert(gguf, Path(tmp) / "ckpt")
-        ours = bench_ksana(ckpt, args.repeats, args.context)
+        from ksana_jax.pallas_kernels import resolve_backend
+
+        backend = resolve_backend(args.backend, jax.default_backend())
+        ours = bench_ksana(ckpt, args.repeats, args.context, backend)
     theirs = bench_hf(gguf, args.repeats)
     print(
         f"\nSmolLM2-135M float32, batch 1, {jax.devices()[0].platform}; median of "
-        f"{args.repeats}; first-call compile {ours['compile']:.1f}s"
+        f"{args.repeats}; attention {backend}; first-call compile {ours['compile']:.1f}s"
     )
     print(f"{'step':<22}{'ksana-jax ms':>14}{'transformers ms':>17}{'ratio (hf/ours)':>17}")
     for name, label in (("prefill", "prefill 64 tokens"), ("decode", "decode 1 token")):
