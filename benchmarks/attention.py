@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ksana_jax import pallas_kernels
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 MODELS = {"smollm2": (9, 3, 64), "llama3_8b": (32, 8, 128)}  # query heads, KV heads, head dim
 PAGE_SIZE = 16
@@ -145,8 +146,8 @@ def main() -> None:
                 warnings.simplefilter("ignore", UserWarning)
                 attention = pallas_kernels.get_attention(backend, interpret=interpret)
             # Jitted as the model step does (the reference is a plain function).
-            attention = jax.jit(attention, static_argnames="sm_scale")
-            call = functools.partial(attention, *batch, sm_scale=head_dim**-0.5)
+            attention = jax.jit(attention, static_argnames="spec")
+            call = functools.partial(attention, *batch, spec=AttentionSpec(head_dim**-0.5))
             seconds = median_seconds(call, args.repeats, calls)
             reference_s = seconds if backend == "reference" else reference_s
             line = f"  {backend:11s} {seconds * 1e3:9.3f} ms  {moved / seconds / 1e9:8.2f} GB/s"

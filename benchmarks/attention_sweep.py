@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from attention import MODELS, WORKLOADS, build_batch, bytes_read, copy_bandwidth, median_seconds
 
 from ksana_jax.pallas_kernels import paged_attention_gpu, paged_attention_gpu_launches, reference
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 SPLITS = (None, 1, 4, 16)  # None: the kernel's default (paged_attention_gpu_launches.plan_launches)
 BLOCK_K = (None, 32, 128)
@@ -50,7 +51,7 @@ def sweep(batch, expected, configs, *, repeats: int, calls: int, interpret: bool
         call = functools.partial(
             paged_attention_gpu.ragged_paged_attention,
             *batch,
-            sm_scale=sm_scale,
+            spec=AttentionSpec(sm_scale),
             block_k=block_k,
             num_kv_splits=splits,
             num_warps=warps,
@@ -84,12 +85,12 @@ def main() -> None:
     peak = copy_bandwidth(args.repeats, calls)
     print(f"{args.model} ({num_heads}/{num_kv_heads} x {head_dim}), KV {dtype.name}")
     print(f"measured copy bandwidth: {peak / 1e9:.1f} GB/s")
-    oracle = jax.jit(reference.ragged_paged_attention, static_argnames="sm_scale")
+    oracle = jax.jit(reference.ragged_paged_attention, static_argnames="spec")
     for workload in args.workloads.split(","):
         rows = WORKLOADS[workload]["device"]
         batch = build_batch(rows, num_heads, num_kv_heads, head_dim, dtype)
         moved = bytes_read(rows, num_heads, num_kv_heads, head_dim, dtype)
-        reference_call = functools.partial(oracle, *batch, sm_scale=head_dim**-0.5)
+        reference_call = functools.partial(oracle, *batch, spec=AttentionSpec(head_dim**-0.5))
         expected = reference_call()
         ref_s = median_seconds(reference_call, 5, calls)
         print(

@@ -73,6 +73,7 @@ from ksana_jax.pallas_kernels import (
     reference,
     write_kv_pages_gpu,
 )
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,12 +265,16 @@ def kernels(model: str, dtype, workloads, extra_launches=(), reference_too=False
                 shapes[0].shape, shapes[3].shape, dtype, shapes[5].shape, **named
             )
             fn = functools.partial(
-                paged_attention_gpu.ragged_paged_attention, sm_scale=head_dim**-0.5, **named
+                paged_attention_gpu.ragged_paged_attention,
+                spec=AttentionSpec(head_dim**-0.5),
+                **named,
             )
             found.append((f"attention/{workload}", plan, jax.jit(fn), shapes))
         if reference_too:
             fn = jax.jit(
-                functools.partial(reference.ragged_paged_attention, sm_scale=head_dim**-0.5)
+                functools.partial(
+                    reference.ragged_paged_attention, spec=AttentionSpec(head_dim**-0.5)
+                )
             )
             found.append((f"reference/{workload}", None, fn, shapes))
     sds = jax.ShapeDtypeStruct

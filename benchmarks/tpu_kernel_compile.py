@@ -33,6 +33,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ksana_jax.pallas_kernels import ragged_paged_attention_tpu, write_kv_pages_tpu
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 # (name, layers, query heads, KV heads, head dim), as tests/test_pallas_export.py.
 MODELS = [("smollm2", 30, 9, 3, 64), ("llama3_8b", 32, 32, 8, 128)]
@@ -49,7 +50,7 @@ def kernels(num_layers, num_heads, num_kv_heads, head_dim, dtype):
     i32 = jnp.int32
     attention = jax.jit(
         functools.partial(
-            ragged_paged_attention_tpu.ragged_paged_attention, sm_scale=head_dim**-0.5
+            ragged_paged_attention_tpu.ragged_paged_attention, spec=AttentionSpec(head_dim**-0.5)
         )
     )
     found = []

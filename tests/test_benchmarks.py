@@ -18,6 +18,7 @@ from conftest import write_tiny_hf
 import ksana_jax
 from ksana_jax import LLM
 from ksana_jax.pallas_kernels import reference
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -79,7 +80,7 @@ def test_attention_sweep_pieces_run_in_interpret_mode(monkeypatch):
     num_heads, num_kv_heads, head_dim = attention.MODELS["smollm2"]
     rows = attention.WORKLOADS["decode"]["cpu"]
     batch = attention.build_batch(rows, num_heads, num_kv_heads, head_dim, jnp.float32)
-    expected = reference.ragged_paged_attention(*batch, sm_scale=head_dim**-0.5)
+    expected = reference.ragged_paged_attention(*batch, spec=AttentionSpec(head_dim**-0.5))
     configs = [sweep.DEFAULT, (2, 32, 8, 2)]
     assert sweep.DEFAULT in sweep.CONFIGS
     results = sweep.sweep(batch, expected, configs, repeats=1, calls=1, interpret=True)

@@ -43,6 +43,7 @@ from ksana_jax.pallas_kernels import (
     ragged_paged_attention_xla,
     reference,
 )
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 PAGE_SIZE = 16
 NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ = 64, 6, 8  # T, S, P: one bucket for every case
@@ -137,8 +138,8 @@ def make_batch(
 
 def check_against_oracle(attention, args, atol):
     head_dim = args[0].shape[-1]
-    want = np.asarray(reference.ragged_paged_attention(*args, sm_scale=head_dim**-0.5))
-    got = np.asarray(attention(*args, sm_scale=head_dim**-0.5))
+    want = np.asarray(reference.ragged_paged_attention(*args, spec=AttentionSpec(head_dim**-0.5)))
+    got = np.asarray(attention(*args, spec=AttentionSpec(head_dim**-0.5)))
     assert got.shape == want.shape and got.dtype == np.float32
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, want, rtol=0, atol=atol)
@@ -294,12 +295,12 @@ def test_gpu_mixed_batch_runs_decode_rows_in_small_tiles():
         ((-1, 4), 4, 2),
         ((4, NUM_TOKENS), 16, 2),
     ]
-    launches = str(jax.make_jaxpr(functools.partial(attention, sm_scale=0.125))(*args))
+    launches = str(jax.make_jaxpr(functools.partial(attention, spec=AttentionSpec(0.125)))(*args))
     assert launches.count("pallas_call[") == 2
     decode = make_batch(SCENARIOS["decode"], num_kv_heads=2, group=4, head_dim=64)
     decode = (*(a[:NUM_SEQS] for a in decode[:3]), *decode[3:])  # T == S: one token a row
     check_against_oracle(attention, decode, atol=1e-5)
-    launches = str(jax.make_jaxpr(functools.partial(attention, sm_scale=0.125))(*decode))
+    launches = str(jax.make_jaxpr(functools.partial(attention, spec=AttentionSpec(0.125)))(*decode))
     assert launches.count("pallas_call[") == 1
 
 
@@ -481,13 +482,13 @@ def test_compiled_kernel_matches_oracle_on_device(dtype):
 def test_bad_inputs_raise_clear_errors(attention):
     args = list(make_batch([(3, 2)], num_kv_heads=2, group=3, head_dim=64))
     with pytest.raises(ValueError, match="k_new"):
-        attention(args[0], args[1][:, :1], *args[2:], sm_scale=1.0)
+        attention(args[0], args[1][:, :1], *args[2:], spec=AttentionSpec(1.0))
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        attention(args[0][:, :5], *args[1:], sm_scale=1.0)
+        attention(args[0][:, :5], *args[1:], spec=AttentionSpec(1.0))
     with pytest.raises(ValueError, match="seq_lens"):
-        attention(*args[:6], args[6][:-1], args[7], sm_scale=1.0)
+        attention(*args[:6], args[6][:-1], args[7], spec=AttentionSpec(1.0))
     with pytest.raises(ValueError, match="page_table must be int32"):
-        attention(*args[:5], args[5].astype(jnp.int16), *args[6:], sm_scale=1.0)
+        attention(*args[:5], args[5].astype(jnp.int16), *args[6:], spec=AttentionSpec(1.0))
 
 
 def test_cpu_kernel_rejects_steps_that_would_read_out_of_bounds():
@@ -504,13 +505,15 @@ def test_cpu_kernel_rejects_steps_that_would_read_out_of_bounds():
         broken = list(args)
         broken[index] = value
         with pytest.raises(jax.errors.JaxRuntimeError, match=message):
-            np.asarray(ragged_paged_attention_cpu.ragged_paged_attention(*broken, sm_scale=1.0))
+            np.asarray(
+                ragged_paged_attention_cpu.ragged_paged_attention(*broken, spec=AttentionSpec(1.0))
+            )
 
 
 def test_xla_rejects_chunk_off_the_page_size():
     args = make_batch([(3, 2)], num_kv_heads=2, group=3, head_dim=64)
     with pytest.raises(ValueError, match="chunk=24 must be a positive multiple of page_size=16"):
-        ragged_paged_attention_xla.ragged_paged_attention(*args, sm_scale=1.0, chunk=24)
+        ragged_paged_attention_xla.ragged_paged_attention(*args, spec=AttentionSpec(1.0), chunk=24)
 
 
 def test_tpu_rejects_page_size_off_the_mosaic_tiling():
@@ -520,7 +523,9 @@ def test_tpu_rejects_page_size_off_the_mosaic_tiling():
         )
     args = list(make_batch([(3, 2)], num_kv_heads=2, group=3, head_dim=64))
     with pytest.raises(ValueError, match="block_q=12"):
-        ragged_paged_attention_tpu.ragged_paged_attention(*args, sm_scale=1.0, block_q=12)
+        ragged_paged_attention_tpu.ragged_paged_attention(
+            *args, spec=AttentionSpec(1.0), block_q=12
+        )
 
 
 def test_gpu_rejects_head_dim_that_is_not_a_power_of_two():
@@ -626,10 +631,18 @@ def test_registry_attention_runs_inside_a_layer_scan(backend):
 
     def body(layer_index, _):
         out = attention(
-            q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts, sm_scale=64**-0.5
+            q,
+            k_new,
+            v_new,
+            kv,
+            layer_index,
+            page_table,
+            seq_lens,
+            query_starts,
+            spec=AttentionSpec(64**-0.5),
         )
         return layer_index + 1, out
 
     _, outs = jax.lax.scan(body, jnp.int32(0), length=NUM_LAYERS)
-    want = reference.ragged_paged_attention(*args, sm_scale=64**-0.5)
+    want = reference.ragged_paged_attention(*args, spec=AttentionSpec(64**-0.5))
     np.testing.assert_allclose(np.asarray(outs[LAYER]), np.asarray(want), rtol=0, atol=1e-5)

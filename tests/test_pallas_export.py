@@ -25,6 +25,7 @@ from ksana_jax.pallas_kernels import (
     write_kv_pages_gpu,
     write_kv_pages_tpu,
 )
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 # (name, layers, query heads, KV heads, head dim): SmolLM2-135M and a Llama-3-8B-like model.
 MODELS = [("smollm2", 30, 9, 3, 64), ("llama3_8b", 32, 32, 8, 128)]
@@ -66,7 +67,7 @@ PARAMS = [
 @pytest.mark.parametrize("name,num_layers,num_heads,num_kv_heads,head_dim,dtype", PARAMS)
 def test_tpu_attention_lowers_to_mosaic(name, num_layers, num_heads, num_kv_heads, head_dim, dtype):
     attention = functools.partial(
-        ragged_paged_attention_tpu.ragged_paged_attention, sm_scale=head_dim**-0.5
+        ragged_paged_attention_tpu.ragged_paged_attention, spec=AttentionSpec(head_dim**-0.5)
     )
     args = attention_args(num_layers, num_heads, num_kv_heads, head_dim, dtype)
     exported = jax.export.export(jax.jit(attention), platforms=["tpu"])(*args)
@@ -79,7 +80,7 @@ def test_tpu_attention_lowers_to_mosaic(name, num_layers, num_heads, num_kv_head
 @pytest.mark.parametrize("name,num_layers,num_heads,num_kv_heads,head_dim,dtype", PARAMS)
 def test_gpu_attention_lowers_to_triton(name, num_layers, num_heads, num_kv_heads, head_dim, dtype):
     attention = functools.partial(
-        paged_attention_gpu.ragged_paged_attention, sm_scale=head_dim**-0.5
+        paged_attention_gpu.ragged_paged_attention, spec=AttentionSpec(head_dim**-0.5)
     )
     args = attention_args(num_layers, num_heads, num_kv_heads, head_dim, dtype)
     exported = jax.export.export(jax.jit(attention), platforms=["cuda"], disabled_checks=TRITON)(
@@ -93,7 +94,9 @@ def test_gpu_attention_lowers_to_triton(name, num_layers, num_heads, num_kv_head
 
 
 def test_triton_export_needs_the_documented_opt_in():
-    attention = functools.partial(paged_attention_gpu.ragged_paged_attention, sm_scale=0.125)
+    attention = functools.partial(
+        paged_attention_gpu.ragged_paged_attention, spec=AttentionSpec(0.125)
+    )
     args = attention_args(30, 9, 3, 64, jnp.bfloat16)
     with pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
         jax.export.export(jax.jit(attention), platforms=["cuda"])(*args)

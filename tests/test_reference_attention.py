@@ -7,6 +7,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.pallas_kernels.reference import ragged_paged_attention, write_kv_pages
 
 NAN = np.nan
@@ -17,7 +18,7 @@ def kv_array(num_pages, page_size, num_kv_heads=1, head_dim=2):
     return np.full((1, 2, num_kv_heads, num_pages, page_size, head_dim), NAN, np.float32)
 
 
-def attend(q, k_new, v_new, kv, page_table, seq_lens, query_starts):
+def attend(q, k_new, v_new, kv, page_table, seq_lens, query_starts, spec=None):
     def f32(x):
         return jnp.asarray(x, jnp.float32)
 
@@ -31,7 +32,7 @@ def attend(q, k_new, v_new, kv, page_table, seq_lens, query_starts):
             jnp.asarray(page_table, jnp.int32),
             jnp.asarray(seq_lens, jnp.int32),
             jnp.asarray(query_starts, jnp.int32),
-            sm_scale=1.0,
+            spec=spec or AttentionSpec(1.0),
         )
     )
 
@@ -85,6 +86,32 @@ def test_ragged_rows_padding_rows_and_padding_tokens():
     np.testing.assert_allclose(out[0, 0], [1.6, 4.8], rtol=1e-6)
     np.testing.assert_allclose(out[1, 0], [7.0, -7.0], rtol=1e-6)
     assert np.all(out[2:] == 0.0)
+
+
+def test_sliding_window_hides_keys_older_than_the_window():
+    """Window 2: the token at position 2 sees positions 1 and 2 only (transformers' mask
+    kv_idx > q_idx - W). Position 0 holds NaN, so reading it at all would poison the output."""
+    kv = kv_array(num_pages=8, page_size=1)
+    kv[0, 0, 0, 4, 0], kv[0, 1, 0, 4, 0] = K0, V0  # position 1 in page 4; position 0: page 6
+    spec = AttentionSpec(1.0, sliding_window=2)
+    out = attend([[[1.0, 0.0]]], [[K1]], [[V1]], kv, [[6, 4]], [3], [0, 1], spec=spec)
+    np.testing.assert_allclose(out[0, 0], [1.0, 6.0], rtol=1e-6)
+    # A prefill of three new tokens: the last one sees positions 1, 2 (window) only (new
+    # tokens' values are finite by contract; position 0's would move the output if seen).
+    kv = kv_array(num_pages=8, page_size=1)
+    k_new, v_new = [[K1], [K0], [K1]], [[[1e3, 1e3]], [V0], [V1]]
+    out = attend(np.ones((3, 1, 2)), k_new, v_new, kv, [[1, 2, 3]], [3], [0, 3], spec=spec)
+    np.testing.assert_allclose(out[2, 0], [1.0, 6.0], rtol=1e-6)
+
+
+def test_logit_softcap_bounds_scores():
+    """Cap 1: the score 100 of k1 becomes tanh(100) ~ 1, so probabilities (1, e) / (1 + e)."""
+    kv = kv_array(num_pages=8, page_size=1)
+    kv[0, 0, 0, 5, 0], kv[0, 1, 0, 5, 0] = K0, V0
+    spec = AttentionSpec(1.0, logit_softcap=1.0)
+    out = attend([[[1.0, 0.0]]], [[[100.0, 0.0]]], [[V1]], kv, [[5, 2]], [2], [0, 1], spec=spec)
+    p1 = math.e / (1 + math.e)
+    np.testing.assert_allclose(out[0, 0], [4.0 * (1 - p1), 8.0 * p1], rtol=1e-6)
 
 
 def test_write_kv_pages_touches_only_the_given_slots():

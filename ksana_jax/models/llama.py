@@ -28,6 +28,7 @@ from ksana_jax import pallas_kernels
 from ksana_jax.config import ModelConfig
 from ksana_jax.kv_cache import to_kv_dtype
 from ksana_jax.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.step_inputs import StepInputs
 
 
@@ -169,7 +170,7 @@ def _decoder_layer(
         inputs.page_table,
         inputs.seq_lens,
         inputs.query_starts,
-        sm_scale=h**-0.5,
+        spec=AttentionSpec(h**-0.5),
     )
     x = x + linear(attn.reshape(num_tokens, n * h), layer.wo, layer.bo)
 

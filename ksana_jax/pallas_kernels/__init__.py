@@ -4,7 +4,7 @@ Every attention backend has one signature (semantics: `reference.ragged_paged_at
 
     attn(q [T, N, H], k_new [T, K, H], v_new [T, K, H], kv [L, 2, K, num_pages, page_size, H],
          layer_index i32[], page_table i32[S, P], seq_lens i32[S], query_starts i32[S+1],
-         *, sm_scale) -> f32[T, N, H]
+         *, spec: AttentionSpec) -> f32[T, N, H]   (attention_spec.py: scale, window, soft-cap)
 
 and the KV writers two (semantics: `reference.write_kv_pages`, `reference.write_layer_kv`):
 

@@ -65,6 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupported
 from ksana_jax.pallas_kernels.paged_attention_gpu_launches import (
     MIN_DOT_DIM,
     Launch,
@@ -316,7 +317,7 @@ def _merge_splits(acc, m, denom):
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale",
+        "spec",
         "block_q",
         "block_k",
         "num_kv_splits",
@@ -336,7 +337,7 @@ def ragged_paged_attention(
     seq_lens: jax.Array,
     query_starts: jax.Array,
     *,
-    sm_scale: float,
+    spec: AttentionSpec,
     block_q: int | None = None,
     block_k: int | None = None,
     num_kv_splits: int | None = None,
@@ -349,7 +350,7 @@ def ragged_paged_attention(
 
     Args: as `reference.ragged_paged_attention` (q [T, N, H], k_new/v_new [T, K, H],
       kv [L, 2, K, num_pages, page_size, H], layer_index i32[], page_table i32[S, P],
-      seq_lens i32[S], query_starts i32[S+1], sm_scale), plus tuning (each one not named
+      seq_lens i32[S], query_starts i32[S+1], spec), plus tuning (each one not named
       comes from `plan_launches`):
       block_q: tokens per query tile, a power of two; with two launches, of the long rows'
         tiles (the short rows' are decode_block_q tokens).
@@ -360,6 +361,8 @@ def ragged_paged_attention(
       interpret: run on CPU with Pallas's interpreter.
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
+    refuse_unsupported(spec, "pallas_gpu")
+    sm_scale = spec.sm_scale
     layer_index = jnp.asarray(layer_index)
     _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
     num_tokens, num_heads, head_dim = q.shape

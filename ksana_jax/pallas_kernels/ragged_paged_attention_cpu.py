@@ -33,6 +33,7 @@ import jaxlib
 import numpy as np
 
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupported
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET = "ksana_ragged_paged_attention_cpu"
@@ -107,7 +108,7 @@ def available() -> bool:
     return True
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
+@functools.partial(jax.jit, static_argnames=("spec",))
 def ragged_paged_attention(
     q: jax.Array,
     k_new: jax.Array,
@@ -118,10 +119,12 @@ def ragged_paged_attention(
     seq_lens: jax.Array,
     query_starts: jax.Array,
     *,
-    sm_scale: float,
+    spec: AttentionSpec,
 ) -> jax.Array:
     """reference.ragged_paged_attention (same arguments and result) as one custom call.
     Returns: f32[T, N, H]; zeros for padding tokens."""
+    refuse_unsupported(spec, "cpu")
+    sm_scale = spec.sm_scale
     layer_index = jnp.asarray(layer_index, jnp.int32)
     validate_attention_args(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
     if kv.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):

@@ -68,6 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupported
 from ksana_jax.pallas_kernels.dma_pipeline_tpu import cdiv, double_buffered_rows_loop
 
 LANES = 128  # the m/l scratch is replicated across one lane tile
@@ -365,7 +366,7 @@ def _rows_of_query_blocks(query_starts, num_blocks: int, block_q: int):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "block_q", "pages_per_block", "vmem_limit_bytes", "interpret"),
+    static_argnames=("spec", "block_q", "pages_per_block", "vmem_limit_bytes", "interpret"),
 )
 def ragged_paged_attention(
     q: jax.Array,
@@ -377,7 +378,7 @@ def ragged_paged_attention(
     seq_lens: jax.Array,
     query_starts: jax.Array,
     *,
-    sm_scale: float,
+    spec: AttentionSpec,
     block_q: int | None = None,
     pages_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
@@ -387,7 +388,7 @@ def ragged_paged_attention(
 
     Args: as `reference.ragged_paged_attention` (q [T, N, H], k_new/v_new [T, K, H],
       kv [L, 2, K, num_pages, page_size, H], layer_index i32[], page_table i32[S, P],
-      seq_lens i32[S], query_starts i32[S+1], sm_scale), plus tuning:
+      seq_lens i32[S], query_starts i32[S+1], spec), plus tuning:
       block_q: tokens per query block, a multiple of the sublane tile (8; 16 for 16-bit
         K/V). Default: `default_block_q`.
       pages_per_block: pages per cached key block (default: 256 tokens' worth, <= P).
@@ -395,6 +396,8 @@ def ragged_paged_attention(
       interpret: True (or pltpu.InterpretParams) runs the kernel on CPU.
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
+    refuse_unsupported(spec, "pallas_tpu")
+    sm_scale = spec.sm_scale
     layer_index = jnp.asarray(layer_index)
     if block_q is None:
         tile = max(_sublane_tile(k_new.dtype), _sublane_tile(kv.dtype))

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupported
 
 
 def _cast(x: jax.Array, dtype) -> jax.Array:
@@ -152,7 +153,7 @@ def _attend_groups(
     return out.transpose(1, 2, 0, 3, 4).reshape(num_groups, block_q, num_heads, head_dim)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "chunk", "block_q", "groups_per_block"))
+@functools.partial(jax.jit, static_argnames=("spec", "chunk", "block_q", "groups_per_block"))
 def ragged_paged_attention(
     q: jax.Array,
     k_new: jax.Array,
@@ -163,7 +164,7 @@ def ragged_paged_attention(
     seq_lens: jax.Array,
     query_starts: jax.Array,
     *,
-    sm_scale: float,
+    spec: AttentionSpec,
     chunk: int = 128,
     block_q: int = 64,
     groups_per_block: int | None = None,
@@ -175,6 +176,8 @@ def ragged_paged_attention(
     step (default T // block_q + 2: one step for a batch of a few prefill chunks).
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
+    refuse_unsupported(spec, "xla")
+    sm_scale = spec.sm_scale
     validate_attention_args(
         q, k_new, v_new, kv, jnp.asarray(layer_index), page_table, seq_lens, query_starts
     )

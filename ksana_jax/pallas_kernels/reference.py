@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
+
 
 def _scatter_slots(kv: jax.Array, index: tuple, new: jax.Array) -> jax.Array:
     """kv[index] = new over the flattened slot axis [L, 2, K, num_pages * page_size, H]."""
@@ -84,7 +86,7 @@ def ragged_paged_attention(
     seq_lens: jax.Array,
     query_starts: jax.Array,
     *,
-    sm_scale: float,
+    spec: AttentionSpec,
 ) -> jax.Array:
     """Causal grouped-query attention of a ragged batch over cached pages and new tokens.
 
@@ -97,7 +99,7 @@ def ragged_paged_attention(
       page_table: i32[S, P] pages of each sequence.
       seq_lens: i32[S] context length of each sequence including its new tokens.
       query_starts: i32[S+1] offsets of each sequence's new tokens in q.
-      sm_scale: softmax scale, usually H ** -0.5.
+      spec: the layer's softmax scale, sliding window and logit soft-cap (attention_spec.py).
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -117,12 +119,18 @@ def ragged_paged_attention(
     # The step's own tokens: same sequence, not later, not padding.  [T, T]
     sees_new = (rows[:, None] == rows[None, :]) & (positions[None, :] <= positions[:, None])
     sees_new &= real[None, :]
+    if spec.sliding_window is not None:
+        oldest = positions - spec.sliding_window  # [T]: keys at or before it are out of the window
+        sees_cached &= cached_pos[None, :] > oldest[:, None]
+        sees_new &= positions[None, :] > oldest[:, None]
 
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     cached_scores = jnp.einsum("tkgh,tklh->tkgl", qg, context[:, 0].astype(jnp.float32))
     new_scores = jnp.einsum("tkgh,ukh->tkgu", qg, k_new.astype(jnp.float32))
     visible = jnp.concatenate([sees_cached, sees_new], axis=1)  # [T, P * page_size + T]
-    scores = jnp.concatenate([cached_scores, new_scores], axis=-1) * sm_scale
+    scores = jnp.concatenate([cached_scores, new_scores], axis=-1) * spec.sm_scale
+    if spec.logit_softcap is not None:
+        scores = spec.logit_softcap * jnp.tanh(scores / spec.logit_softcap)
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     # Padding tokens may see no key at all; give them a finite row, zeroed below.
     scores = jnp.where(real[:, None, None, None], scores, 0.0)
