@@ -1,8 +1,9 @@
 """What every reader produces: a model's config, params, tokenizer files and generation config.
 
 Readers (`hf.py`, `gguf_source.py`) name tensors the Hugging Face way with (out, in) matrices,
-which is also our layout; `ParamAssembler` checks each one's shape, casts it and places it
-into the layer-stacked arrays, and finally reports anything missing by name.
+which is also our layout; `ParamAssembler` maps each name through the model family's
+declarations (ksana_jax.models.registry), checks its shape, casts it and places it into the
+layer-stacked arrays, and finally reports anything missing by name.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ksana_jax.config import ModelConfig
-from ksana_jax.models import llama
+from ksana_jax.models import registry
 
 
 class ConversionError(ValueError):
@@ -25,66 +26,53 @@ class ConversionError(ValueError):
 @dataclasses.dataclass
 class Source:
     config: ModelConfig
-    params: llama.LlamaParams  # numpy arrays in the target dtype
+    params: registry.Params  # numpy arrays in the target dtype
     tokenizer_files: dict[str, bytes]  # file name -> contents, written beside the params
     generation_config: dict[str, Any] | None
 
 
-# HF tensor name -> our flat name. Matrices keep HF's (out, in) layout.
-_TOP_LEVEL = {
-    "model.embed_tokens.weight": "embed",
-    "model.norm.weight": "final_norm",
-    "lm_head.weight": "lm_head",
-}
-_PER_LAYER = {
-    "input_layernorm.weight": "layers.attn_norm",
-    "self_attn.q_proj.weight": "layers.wq",
-    "self_attn.k_proj.weight": "layers.wk",
-    "self_attn.v_proj.weight": "layers.wv",
-    "self_attn.o_proj.weight": "layers.wo",
-    "self_attn.q_proj.bias": "layers.bq",
-    "self_attn.k_proj.bias": "layers.bk",
-    "self_attn.v_proj.bias": "layers.bv",
-    "self_attn.o_proj.bias": "layers.bo",
-    "post_attention_layernorm.weight": "layers.mlp_norm",
-    "mlp.gate_proj.weight": "layers.w_gate",
-    "mlp.up_proj.weight": "layers.w_up",
-    "mlp.down_proj.weight": "layers.w_down",
-}
-_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Buffers some exporters save that carry no weights.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 def hf_tensor_names(cfg: ModelConfig) -> list[str]:
     """Every HF tensor name this config needs, in a stable order."""
-    shapes = llama.param_shapes(cfg)
-    names = [hf for hf, ours in _TOP_LEVEL.items() if ours in shapes]
+    family = registry.family_of(cfg.model_type)
+    shapes = family.param_shapes(cfg)
+    names = [hf for hf, ours in family.hf_top.items() if ours in shapes]
     for i in range(cfg.num_hidden_layers):
-        names += [f"model.layers.{i}.{hf}" for hf, ours in _PER_LAYER.items() if ours in shapes]
+        names += [
+            f"model.layers.{i}.{hf}" for hf, ours in family.hf_layer.items() if ours in shapes
+        ]
     return names
 
 
 class ParamAssembler:
-    """Fills layer-stacked param arrays from HF-named tensors, checking every shape."""
+    """Fills layer-stacked param arrays from HF-named tensors, checking every shape; the
+    names come from the config's family (registry.Family.hf_top / hf_layer / hf_rename)."""
 
     def __init__(self, cfg: ModelConfig, dtype: str):
         self._cfg = cfg
+        self._family = registry.family_of(cfg.model_type)
         self._dtype = np.dtype(jnp.dtype(dtype))
-        self._shapes = llama.param_shapes(cfg)
+        self._shapes = self._family.param_shapes(cfg)
         self._arrays = {name: np.empty(shape, self._dtype) for name, shape in self._shapes.items()}
         self._missing = set(hf_tensor_names(cfg))
 
     def _target(self, hf_name: str) -> tuple[str, int | None] | None:
-        if hf_name in _TOP_LEVEL:
-            return _TOP_LEVEL[hf_name], None
-        match = _LAYER_NAME.fullmatch(hf_name)
-        if match and match.group(2) in _PER_LAYER:
-            return _PER_LAYER[match.group(2)], int(match.group(1))
+        if hf_name in self._family.hf_top:
+            return self._family.hf_top[hf_name], None
+        match = registry.HF_LAYER.fullmatch(hf_name)
+        if match and match.group(2) in self._family.hf_layer:
+            return self._family.hf_layer[match.group(2)], int(match.group(1))
         return None
 
     def put(self, hf_name: str, value: np.ndarray) -> None:
         """Places one HF-named tensor ((out, in) for matrices)."""
+        renamed = self._family.hf_rename(hf_name)
+        if renamed is None:
+            return  # a part of the checkpoint the family does not use (a vision tower)
+        hf_name = renamed
         target = self._target(hf_name)
         if target is None:
             if _IGNORED.fullmatch(hf_name):
@@ -114,7 +102,7 @@ class ParamAssembler:
             self._arrays[name][layer] = value.astype(self._dtype)
         self._missing.discard(hf_name)
 
-    def finish(self) -> llama.LlamaParams:
+    def finish(self) -> registry.Params:
         """The assembled params; raises naming every tensor that never arrived."""
         if self._missing:
             missing = sorted(self._missing)
@@ -122,4 +110,4 @@ class ParamAssembler:
                 f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             )
             raise ConversionError(f"missing tensor(s): {shown}")
-        return llama.params_from_flat(self._arrays)
+        return registry.params_from_flat(self._arrays)

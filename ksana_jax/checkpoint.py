@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from ksana_jax.config import ModelConfig
-from ksana_jax.models import llama
+from ksana_jax.models import registry
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
@@ -50,10 +50,10 @@ def has_current_layout(path: Path) -> bool:
         return False
 
 
-def save_params(path: Path, params: llama.LlamaParams) -> None:
+def save_params(path: Path, params: registry.Params) -> None:
     """Writes params as an orbax checkpoint at `path` (which must not exist)."""
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(Path(path).absolute(), llama.params_to_flat(params))
+    checkpointer.save(Path(path).absolute(), registry.params_to_flat(params))
     checkpointer.wait_until_finished()
 
 
@@ -66,7 +66,7 @@ def load_params(
     cfg: ModelConfig,
     dtype: str,
     sharding_for: Callable[[str], jax.sharding.Sharding] | None = None,
-) -> llama.LlamaParams:
+) -> registry.Params:
     """Restores a checkpoint directory's params as `dtype`, optionally straight into shardings.
 
     `sharding_for(flat_name)` gives each array's sharding; by default the first device.
@@ -82,8 +82,8 @@ def load_params(
         name: jax.ShapeDtypeStruct(
             shape, jnp.dtype(dtype), sharding=sharding_for(name) if sharding_for else device
         )
-        for name, shape in llama.param_shapes(cfg).items()
+        for name, shape in registry.param_shapes(cfg).items()
     }
     with ocp.StandardCheckpointer() as checkpointer:
         flat = checkpointer.restore((Path(path) / PARAMS_DIR).absolute(), abstract)
-    return llama.params_from_flat(flat)
+    return registry.params_from_flat(flat)

@@ -5,24 +5,26 @@ Out: a hashable `ModelConfig` that is the static argument of every jitted functi
 configs that compare equal share compiled code. No I/O happens here; readers live in
 `checkpoint.py` and `checkpoints_tools/`.
 
-Supported: the Llama family of decoders -- Llama 2, Llama 3/3.1/3.2 (`llama3` and `linear`
-rope scaling), Mistral without sliding window, Qwen2/Qwen2.5 (q/k/v bias), SmolLM2. Anything
-else is a `ValueError` that names the offending field and lists what is supported.
+`ModelConfig` is one flat record for every model family: the fields all decoders share, then
+per-family ones whose defaults describe a plain Llama (no window, no soft-cap, SiLU GLU).
+Per-layer choices are tuples (`layer_types`), so the config stays hashable and each layer's
+attention (window, soft-cap, scale, rope) is a static function of it. Which fields a family
+reads, and which values it refuses, is the family's business: `from_hf_dict` and
+`from_gguf_metadata` hand the dict to the family registered for its `model_type` /
+`general.architecture` (ksana_jax/models). Helpers here read the fields every family shares.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
-
-_ARCHITECTURE_OF = dict(zip(SUPPORTED_MODEL_TYPES, SUPPORTED_ARCHITECTURES, strict=True))
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +41,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyperparameters of one Llama-family decoder. Hashable: a static jit argument."""
+    """Hyperparameters of one decoder. Hashable: a static jit argument."""
 
     model_type: str
     vocab_size: int
@@ -59,12 +61,21 @@ class ModelConfig:
     dtype: str = "float32"  # the checkpoint's dtype ("auto" resolves to it)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per-family fields; the defaults are a plain Llama.
+    hidden_act: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    qk_norm: bool = False  # RMSNorm over each query / key head before rotary (Qwen3, Gemma 3)
+    layer_types: tuple[str, ...] = ()  # per layer, from LAYER_TYPES; () = all full attention
+    sliding_window: int | None = None  # W: a sliding layer's query at p sees keys > p - W
+    query_pre_attn_scalar: float | None = None  # scores scaled by this ** -0.5; None = H
+    attn_logit_softcapping: float | None = None  # scores = cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    rope_local_theta: float | None = None  # rope base of sliding layers, unscaled (Gemma 3)
+    rope_freq_factors: tuple[float, ...] | None = None  # H/2 divisors of inv_freq (GGUF)
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
-            )
+        from ksana_jax.models import registry  # the families import this module
+
+        registry.family_of(self.model_type)  # raises naming the supported ones
         for name in (
             "vocab_size",
             "hidden_size",
@@ -86,72 +97,84 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {SUPPORTED_DTYPES}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(
+                f"unsupported hidden_act {self.hidden_act!r}; supported: {HIDDEN_ACTS}"
+            )
+        self._check_layers()
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_freq_factors has {len(self.rope_freq_factors)} entries, expected "
+                f"head_dim / 2 = {self.head_dim // 2}"
+            )
+
+    def _check_layers(self) -> None:
+        layer_types = tuple(self.layer_types) or (FULL_ATTENTION,) * self.num_hidden_layers
+        object.__setattr__(self, "layer_types", layer_types)
+        if len(layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(layer_types)} entries, expected num_hidden_layers "
+                f"({self.num_hidden_layers})"
+            )
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"unsupported layer_types {unknown}; supported: {LAYER_TYPES}")
+        window = self.sliding_window
+        if SLIDING_ATTENTION in layer_types and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding layers need a positive sliding_window, got {window!r}")
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
-    # ------------------------------------------------------------------ HF config.json
+    @property
+    def sm_scale(self) -> float:
+        """The factor on q . k before softmax (Gemma: query_pre_attn_scalar ** -0.5)."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer_index: int) -> int | None:
+        """Layer `layer_index`'s sliding window W, or None for full attention."""
+        sliding = self.layer_types[layer_index] == SLIDING_ATTENTION
+        return self.sliding_window if sliding else None
+
+    def layer_rope(self, layer_index: int) -> tuple[float, RopeScaling | None]:
+        """(base, scaling) of layer `layer_index`'s rotary embedding."""
+        if self.rope_local_theta is not None and self.layer_window(layer_index) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    # ------------------------------------------------------------------ readers and writer
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> ModelConfig:
-        """Builds the config from a transformers `config.json` dict (4.x or 5.x layout)."""
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r} (architectures "
-                f"{hf.get('architectures')}); supported: {SUPPORTED_MODEL_TYPES} "
-                f"({', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
-        architectures = hf.get("architectures") or [_ARCHITECTURE_OF[model_type]]
-        if architectures[0] not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {architectures[0]!r}; "
-                f"supported: {SUPPORTED_ARCHITECTURES}"
-            )
-        _require_value(hf, "hidden_act", ("silu",), default="silu")
-        _require_value(hf, "mlp_bias", (False,), default=False)
-        if model_type == "mistral" and hf.get("sliding_window") is not None:
-            raise ValueError(
-                f"sliding_window={hf['sliding_window']} is not supported yet (Mistral with "
-                "sliding-window attention); supported: sliding_window null"
-            )
-        if model_type == "qwen2" and hf.get("use_sliding_window"):
-            raise ValueError(
-                "use_sliding_window=true is not supported yet; supported: use_sliding_window false"
-            )
-        num_heads = _int(hf, "num_attention_heads")
-        hidden = _int(hf, "hidden_size")
-        rope_theta, rope_scaling = _rope_from_hf(hf)
-        bias = bool(hf.get("attention_bias", False))
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        head_dim = hf.get("head_dim") or hidden // num_heads
-        return cls(
-            model_type=model_type,
-            vocab_size=_int(hf, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_int(hf, "intermediate_size"),
-            num_hidden_layers=_int(hf, "num_hidden_layers"),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bias,
-            o_bias=model_type != "qwen2" and bias,
-            dtype=_dtype_from_hf(hf),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-        )
+        """Builds the config from a transformers `config.json` dict (4.x or 5.x layout), through
+        the family registered for its `model_type`."""
+        from ksana_jax.models import registry
+
+        return registry.config_from_hf(hf)
+
+    @classmethod
+    def from_gguf_metadata(
+        cls,
+        metadata: Mapping[str, Any],
+        tensor_names: set[str],
+        dtype: str = "float32",
+        read_tensor: Callable[[str], Any] | None = None,
+    ) -> ModelConfig:
+        """Builds the config from GGUF key/values (llama.cpp names) and the file's tensor names,
+        through the family registered for its `general.architecture`; `read_tensor(name)`
+        gives a tensor's values where the config needs them (see registry.config_from_gguf)."""
+        from ksana_jax.models import registry
+
+        return registry.config_from_gguf(metadata, tensor_names, dtype, read_tensor)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config as a transformers 4.x-style `config.json` dict (read back by from_hf_dict)."""
+        """The config as a transformers 4.x-style `config.json` dict (read back by from_hf_dict:
+        every family reads `layer_types` and the other per-family fields under these names)."""
+        from ksana_jax.models import registry
+
         out: dict[str, Any] = {
-            "architectures": [_ARCHITECTURE_OF[self.model_type]],
+            "architectures": [registry.family_of(self.model_type).architecture(self.model_type)],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -160,106 +183,79 @@ class ModelConfig:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": None,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias and self.o_bias,
             "torch_dtype": self.dtype,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids)
             if len(self.eos_token_ids) != 1
             else self.eos_token_ids[0],
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": SLIDING_ATTENTION in self.layer_types,
+            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "attn_logit_softcapping": self.attn_logit_softcapping,
+            "final_logit_softcapping": self.final_logit_softcapping,
         }
-        if self.model_type != "qwen2":
-            out["attention_bias"] = self.qkv_bias
-        if self.model_type == "mistral":
-            out["sliding_window"] = None
         if self.rope_scaling is not None:
             out["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
-        return out
-
-    # ------------------------------------------------------------------ GGUF metadata
-
-    @classmethod
-    def from_gguf_metadata(
-        cls, metadata: Mapping[str, Any], tensor_names: set[str], dtype: str = "float32"
-    ) -> ModelConfig:
-        """Builds the config from GGUF key/values (llama.cpp names) and the file's tensor names."""
-        arch = metadata.get("general.architecture")
-        if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported GGUF general.architecture {arch!r}; "
-                f"supported: {SUPPORTED_GGUF_ARCHITECTURES}"
-            )
-
-        def key(name: str, default: Any = None) -> Any:
-            value = metadata.get(f"{arch}.{name}", default)
-            if value is None:
-                raise ValueError(f"GGUF metadata is missing {arch}.{name}")
-            return value
-
-        if metadata.get(f"{arch}.attention.sliding_window"):
-            raise ValueError(
-                f"{arch}.attention.sliding_window is not supported yet; "
-                "supported: models without sliding-window attention"
-            )
-        if "rope_freqs.weight" in tensor_names:
-            raise ValueError(
-                "GGUF tensor rope_freqs.weight (per-frequency rope factors, e.g. Llama 3.1 "
-                "scaling) is not supported yet; convert the Hugging Face checkpoint instead"
-            )
-        rope_type = metadata.get(f"{arch}.rope.scaling.type", "none")
-        rope_scaling = None
-        if rope_type == "linear":
-            rope_scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
-        elif rope_type not in ("none", None):
-            raise ValueError(
-                f"unsupported GGUF {arch}.rope.scaling.type {rope_type!r}; supported: none, linear"
-            )
-        num_heads = int(key("attention.head_count"))
-        hidden = int(key("embedding_length"))
-        tokens = metadata.get("tokenizer.ggml.tokens")
-        vocab = metadata.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
-        if vocab is None:
-            raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer tokens")
-        eos = metadata.get("tokenizer.ggml.eos_token_id")
-        head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // num_heads))
-        return cls(
-            model_type=arch,
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
-            num_hidden_layers=int(key("block_count")),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(key("attention.head_count_kv", num_heads)),
-            head_dim=head_dim,
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(key("context_length", 4096)),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            qkv_bias=arch == "qwen2",
-            dtype=dtype,
-            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
-        )
+        optional = {
+            "rope_local_base_freq": self.rope_local_theta,
+            "rope_freq_factors": None
+            if self.rope_freq_factors is None
+            else list(self.rope_freq_factors),
+        }
+        return out | {k: v for k, v in optional.items() if v is not None}
 
 
-def _int(hf: Mapping[str, Any], name: str) -> int:
+# ---------------------------------------------------------------------- shared field readers
+
+
+def hf_common_fields(hf: Mapping[str, Any], default_rms_norm_eps: float = 1e-6) -> dict[str, Any]:
+    """The ModelConfig fields every family reads the same way from a transformers config."""
+    num_heads = hf_int(hf, "num_attention_heads")
+    hidden = hf_int(hf, "hidden_size")
+    rope_theta, rope_scaling = rope_from_hf(hf)
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return dict(
+        model_type=hf["model_type"],
+        vocab_size=hf_int(hf, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=hf_int(hf, "intermediate_size"),
+        num_hidden_layers=hf_int(hf, "num_hidden_layers"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", default_rms_norm_eps)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=dtype_from_hf(hf),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+    )
+
+
+def hf_int(hf: Mapping[str, Any], name: str) -> int:
     if name not in hf:
         raise ValueError(f"config.json is missing required field {name!r}")
     return int(hf[name])
 
 
-def _require_value(hf: Mapping[str, Any], name: str, allowed: tuple, default: Any) -> None:
+def require_value(hf: Mapping[str, Any], name: str, allowed: tuple, default: Any) -> None:
     value = hf.get(name, default)
     if value not in allowed:
         raise ValueError(f"unsupported {name}={value!r}; supported: {allowed}")
 
 
-def _dtype_from_hf(hf: Mapping[str, Any]) -> str:
+def dtype_from_hf(hf: Mapping[str, Any]) -> str:
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     dtype = str(dtype).removeprefix("torch.")
     if dtype not in SUPPORTED_DTYPES:
@@ -267,11 +263,19 @@ def _dtype_from_hf(hf: Mapping[str, Any]) -> str:
     return dtype
 
 
-def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     """Reads rope from 4.x (`rope_theta` + `rope_scaling`) or 5.x (`rope_parameters`)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or params
-    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    return rope_from_parameters(
+        hf.get("rope_scaling") or hf.get("rope_parameters") or {},
+        hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta"),
+    )
+
+
+def rope_from_parameters(
+    scaling: Mapping[str, Any], theta: float | None, default_theta: float = 10000.0
+) -> tuple[float, RopeScaling | None]:
+    """(base, scaling) from one rope parameter dict (`rope_type`, `factor`, ...)."""
+    theta = float(theta or scaling.get("rope_theta") or default_theta)
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
@@ -287,6 +291,54 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def gguf_common_fields(
+    metadata: Mapping[str, Any], tensor_names: set[str], dtype: str
+) -> dict[str, Any]:
+    """The ModelConfig fields every family reads the same way from GGUF metadata (keys
+    `{arch}.*` as llama.cpp writes them); `model_type` is the architecture."""
+    arch = metadata["general.architecture"]
+
+    def key(name: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata is missing {arch}.{name}")
+        return value
+
+    rope_type = metadata.get(f"{arch}.rope.scaling.type", "none")
+    rope_scaling = None
+    if rope_type == "linear":
+        rope_scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
+    elif rope_type not in ("none", None):
+        raise ValueError(
+            f"unsupported GGUF {arch}.rope.scaling.type {rope_type!r}; supported: none, linear"
+        )
+    num_heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab = metadata.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer tokens")
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    return dict(
+        model_type=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=int(metadata.get(f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        dtype=dtype,
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
     )
 
 

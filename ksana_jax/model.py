@@ -24,7 +24,7 @@ import numpy as np
 from ksana_jax import checkpoint, sharding
 from ksana_jax.config import ModelConfig
 from ksana_jax.kv_cache import KVCacheSpec, allocate_kv, resolve_kv_dtype
-from ksana_jax.models import llama
+from ksana_jax.models import registry
 from ksana_jax.step import logits_step
 from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
 from ksana_jax.tokenizer import Tokenizer
@@ -43,14 +43,14 @@ class Model:
     generation defaults."""
 
     config: ModelConfig
-    params: llama.LlamaParams
+    params: registry.Params
     tokenizer: Tokenizer
     generation_config: dict[str, Any]
     plan: sharding.ShardingPlan
 
     @property
     def dtype(self) -> str:
-        return str(self.params.embed.dtype)
+        return registry.params_dtype(self.params)
 
     @property
     def kv_dtype(self) -> str:
@@ -126,7 +126,7 @@ def load(path: str | Path, dtype: str = "auto", tensor_parallel_size: int = 1) -
         config = checkpoint.read_config(path)
         target = config.dtype if dtype == "auto" else dtype
         plan = sharding.make_plan(config, tensor_parallel_size)
-        shapes = llama.param_shapes(config)
+        shapes = registry.param_shapes(config)
         params = checkpoint.load_params(
             path, config, target, lambda name: plan.param_sharding(name, shapes[name])
         )

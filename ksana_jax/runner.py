@@ -32,7 +32,7 @@ from ksana_jax.kv_cache import (
     resolve_kv_dtype,
 )
 from ksana_jax.model import Model
-from ksana_jax.models import llama
+from ksana_jax.models import registry
 from ksana_jax.pallas_kernels import LOOPS_OVER_OWN_CONTEXT, check_kv_layout, resolve_backend
 from ksana_jax.sampling import SampledTokens, SamplingInputs, sample
 from ksana_jax.sampling_params import SamplingParams
@@ -45,7 +45,7 @@ MAX_SUPPRESSED_IDS = 8  # EOS + stop_token_ids banned while a request is below m
 
 
 def _engine_step(
-    params: llama.LlamaParams,
+    params: registry.Params,
     cfg: ModelConfig,
     kv: jax.Array,
     inputs: StepInputs,
@@ -54,9 +54,9 @@ def _engine_step(
     backend: str = "reference",
 ) -> tuple[SampledTokens, jax.Array]:
     """Forward over the ragged batch, then sample each row's last token."""
-    hidden, kv = llama.forward(params, cfg, kv, inputs, backend)
+    hidden, kv = registry.forward(params, cfg, kv, inputs, backend)
     last = jnp.maximum(inputs.query_starts[1:] - 1, 0)  # [S]
-    logits = llama.logits(params, hidden[last])
+    logits = registry.logits(params, cfg, hidden[last])
     return sample(logits, sampling, max_logprobs), kv
 
 

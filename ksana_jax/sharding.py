@@ -17,13 +17,14 @@ Mesh axes (tp = model x kv_replica devices hold one copy of the model between th
                 heads than tp (K=2, tp=4: model 2 x kv_replica 2, each device holds one
                 whole KV head and half of that head's query heads)
 
-Logical axes -> mesh axes (Megatron-style; matrices are [out, in]):
+Logical axes -> mesh axes (Megatron-style; matrices are [out, in]; each family declares its
+parameters' logical axes, e.g. llama.PARAM_AXES):
 
     q_heads  N*H   wq, bq column-split; wo row-split (its input)   -> (model, kv_replica)
     kv_heads K*H   wk, wv, bk, bv column-split; KV pages by head   -> model
     mlp      F     w_gate, w_up column-split; w_down row-split     -> (model, kv_replica)
     vocab    V     embed and lm_head, both [V, D], split by vocab  -> (model, kv_replica)
-    embed    D, layers L, pages, ...                               -> never split
+    embed    D, layers L, head_dim H, pages, ...                   -> never split
 
 Embeddings and the LM head are split by vocabulary, not by model dim: the LM head is then
 column-parallel, each device computes its V/tp logits with no communication, and sampling
@@ -47,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -57,29 +58,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ksana_jax.config import ModelConfig
+from ksana_jax.models import registry
 
 DATA, MODEL, KV_REPLICA = "data", "model", "kv_replica"
 TENSOR = (MODEL, KV_REPLICA)  # the tensor-parallel devices, for column and row splits
 
-# Logical axes of each parameter, by checkpoint name (layers stacked on the first axis).
-PARAM_AXES: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("vocab", "embed"),
-    "final_norm": ("embed",),
-    "layers.attn_norm": ("layers", "embed"),
-    "layers.mlp_norm": ("layers", "embed"),
-    "layers.wq": ("layers", "q_heads", "embed"),
-    "layers.wk": ("layers", "kv_heads", "embed"),
-    "layers.wv": ("layers", "kv_heads", "embed"),
-    "layers.wo": ("layers", "embed", "q_heads"),
-    "layers.bq": ("layers", "q_heads"),
-    "layers.bk": ("layers", "kv_heads"),
-    "layers.bv": ("layers", "kv_heads"),
-    "layers.bo": ("layers", "embed"),
-    "layers.w_gate": ("layers", "mlp", "embed"),
-    "layers.w_up": ("layers", "mlp", "embed"),
-    "layers.w_down": ("layers", "embed", "mlp"),
-}
 # kv [L, 2, K, num_pages, page_size, H] (kv_cache.py)
 KV_AXES = ("layers", "kv_pair", "kv_heads", "pages", "page_slots", "head_dim")
 
@@ -116,6 +99,8 @@ class ShardingPlan:
     mesh: Mesh
     rules: dict[str, tuple[str, ...]]  # logical axis -> mesh axes; absent = replicated
     heads_split: bool  # attention split by heads (else replicated)
+    # parameter's flat name -> logical axes (its family's declaration, registry.param_axes)
+    param_axes: Mapping[str, tuple[str | None, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -145,9 +130,11 @@ class ShardingPlan:
 
     def param_sharding(self, name: str, shape: Sequence[int]) -> NamedSharding:
         """Sharding of the parameter stored under checkpoint name `name` (stacked layers)."""
-        if name not in PARAM_AXES:
-            raise ValueError(f"no logical axes for parameter {name!r}; known: {list(PARAM_AXES)}")
-        return self.sharding(PARAM_AXES[name], shape)
+        if name not in self.param_axes:
+            raise ValueError(
+                f"no logical axes for parameter {name!r}; known: {list(self.param_axes)}"
+            )
+        return self.sharding(self.param_axes[name], shape)
 
     def kv_sharding(self, shape: Sequence[int]) -> NamedSharding:
         return self.sharding(KV_AXES, shape)
@@ -157,11 +144,10 @@ class ShardingPlan:
         return NamedSharding(self.mesh, P())
 
     def param_shardings(self, params: Any) -> Any:
-        """A tree like `params` (LlamaParams, one entry per layer) of each leaf's sharding."""
+        """A tree like `params` (registry.Params, one entry per layer) of each leaf's sharding."""
 
         def one(path, leaf):
-            name = _flat_name(path)
-            axes = PARAM_AXES[name]
+            axes = self.param_axes[registry.flat_name(path)]
             if len(leaf.shape) == len(axes) - 1:  # one layer of a stacked parameter
                 axes = axes[1:]
             return self.sharding(axes, leaf.shape)
@@ -194,12 +180,6 @@ class ShardingPlan:
             return f"mesh ({shape}): one device"
         attention = "split by heads" if self.heads_split else "replicated (heads do not divide)"
         return f"mesh ({shape}) over {self.mesh.size} devices; attention {attention}"
-
-
-def _flat_name(path: tuple) -> str:
-    """Checkpoint name of a LlamaParams leaf: "embed", "layers.wq" (any layer index)."""
-    names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
-    return ".".join(names)
 
 
 def make_plan(
@@ -238,7 +218,9 @@ def make_plan(
     rules = {"vocab": TENSOR, "mlp": TENSOR}
     if split is not None and tp > 1:
         rules |= {"q_heads": TENSOR, "kv_heads": (MODEL,)}
-    return ShardingPlan(mesh, rules, heads_split=split is not None and tp > 1)
+    return ShardingPlan(
+        mesh, rules, heads_split=split is not None and tp > 1, param_axes=registry.param_axes(cfg)
+    )
 
 
 def bytes_per_device(tree: Any) -> dict[jax.Device, int]:

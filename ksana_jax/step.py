@@ -14,13 +14,13 @@ import functools
 import jax
 
 from ksana_jax.config import ModelConfig
-from ksana_jax.models import llama
+from ksana_jax.models import registry
 from ksana_jax.step_inputs import StepInputs
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("kv",))
 def logits_step(
-    params: llama.LlamaParams,
+    params: registry.Params,
     cfg: ModelConfig,
     kv: jax.Array,
     inputs: StepInputs,
@@ -28,6 +28,6 @@ def logits_step(
     backend: str = "reference",
 ) -> tuple[jax.Array, jax.Array]:
     """Forward over the step's T tokens; logits f32[R, V] at token slots logits_indices i32[R].
-    `backend` is the attention backend (see llama.forward)."""
-    hidden, kv = llama.forward(params, cfg, kv, inputs, backend)
-    return llama.logits(params, hidden[logits_indices]), kv
+    `backend` is the attention backend (see registry.forward)."""
+    hidden, kv = registry.forward(params, cfg, kv, inputs, backend)
+    return registry.logits(params, cfg, hidden[logits_indices]), kv

@@ -74,6 +74,51 @@ def test_round_trip_through_our_config_json():
         assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
 
 
+def test_sliding_windows_per_family():
+    """Mistral slides on every layer, Qwen2 from max_window_layers on, Gemma 2 on every other
+    layer; the layer's window, scale and rope come out of the config."""
+    mistral = ModelConfig.from_hf_dict(
+        LLAMA2 | {"model_type": "mistral", "architectures": None, "sliding_window": 64}
+    )
+    assert {mistral.layer_window(i) for i in range(32)} == {64}
+    qwen2 = LLAMA2 | {"model_type": "qwen2", "architectures": None, "sliding_window": 64}
+    qwen2 |= {"use_sliding_window": True, "max_window_layers": 30}
+    cfg = ModelConfig.from_hf_dict(qwen2)
+    assert [cfg.layer_window(i) for i in (0, 29, 30, 31)] == [None, None, 64, 64]
+    gemma2 = LLAMA2 | {"model_type": "gemma2", "architectures": None, "sliding_window": 16}
+    gemma2 |= {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 64}
+    del gemma2["tie_word_embeddings"]  # transformers leaves Gemma's default (true) out
+    cfg = ModelConfig.from_hf_dict(gemma2)
+    assert [cfg.layer_window(i) for i in range(4)] == [16, None, 16, None]
+    assert cfg.sm_scale == 64**-0.5 and cfg.tie_word_embeddings
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (50.0, 30.0)
+    for c in (mistral, ModelConfig.from_hf_dict(qwen2), cfg):
+        assert ModelConfig.from_hf_dict(c.to_hf_dict()) == c
+
+
+def test_gemma3_rope_bases_per_layer_type():
+    """5.x rope_parameters per layer type and 4.x rope_theta / rope_local_base_freq read the
+    same: sliding layers rotate with the local base, unscaled; global ones are scaled."""
+    gemma3 = LLAMA2 | {"model_type": "gemma3_text", "architectures": None, "num_hidden_layers": 6}
+    gemma3 |= {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": 8}
+    v5 = gemma3 | {
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
+    }
+    v4 = {k: v for k, v in gemma3.items() if k != "rope_theta"}
+    v4 |= {"rope_theta": 1e6, "rope_local_base_freq": 1e4}
+    v4 |= {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    cfg = ModelConfig.from_hf_dict(v5)
+    assert ModelConfig.from_hf_dict(v4) == cfg == ModelConfig.from_hf_dict(cfg.to_hf_dict())
+    assert cfg.layer_types[4:] == ("sliding_attention", "full_attention")
+    assert cfg.layer_rope(0) == (1e4, None)
+    assert cfg.layer_rope(5) == (1e6, RopeScaling("linear", 8.0))
+    np.testing.assert_allclose(rope_inv_freq(cfg, 5)[0], 1 / 8.0)
+    np.testing.assert_allclose(rope_inv_freq(cfg, 0)[0], 1.0)
+
+
 def test_qwen2_has_qkv_bias_and_no_o_bias():
     cfg = ModelConfig.from_hf_dict(
         LLAMA2
@@ -110,7 +155,7 @@ def test_llama3_rope_matches_transformers():
     [
         (
             {"model_type": "gemma", "architectures": ["GemmaForCausalLM"]},
-            r"model_type 'gemma'.*supported: \('llama', 'mistral', 'qwen2'\)",
+            r"model_type 'gemma'.*supported: \(.*'llama', 'mistral', 'qwen2', 'qwen3'\)",
         ),
         (
             {"architectures": ["LlamaForSequenceClassification"]},
@@ -118,19 +163,32 @@ def test_llama3_rope_matches_transformers():
         ),
         (
             {
-                "model_type": "mistral",
-                "architectures": ["MistralForCausalLM"],
-                "sliding_window": 4096,
+                "model_type": "gemma2",
+                "architectures": ["Gemma2ForCausalLM"],
+                "hidden_activation": "gelu",
             },
-            "sliding_window=4096 is not supported",
+            "hidden_activation='gelu'",
         ),
         (
             {
-                "model_type": "qwen2",
-                "architectures": ["Qwen2ForCausalLM"],
-                "use_sliding_window": True,
+                "model_type": "gemma2",
+                "architectures": ["Gemma2ForCausalLM"],
+                "hidden_act": "gelu_pytorch_tanh",
+                "layer_types": ["x"],
             },
-            "use_sliding_window",
+            r"layer_types has 1 entries, expected num_hidden_layers \(32\)",
+        ),
+        (
+            {
+                "model_type": "gemma3_text",
+                "architectures": ["Gemma3ForCausalLM"],
+                "hidden_act": "gelu_pytorch_tanh",
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                    "full_attention": {"rope_type": "default"},
+                },
+            },
+            "sliding_attention rope_type 'linear'",
         ),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'.*supported"),
         ({"rope_scaling": {"rope_type": "linear"}}, "needs a 'factor'"),

@@ -22,7 +22,7 @@ import ksana_jax
 from checkpoints_tools import ConversionError, convert, read_source
 from ksana_jax import checkpoint, cli
 from ksana_jax.config import ModelConfig
-from ksana_jax.models import llama
+from ksana_jax.models import registry
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "ksana-jax convert: error:"
@@ -160,21 +160,22 @@ def unknown_architecture(d: Dirs):
 
 
 @case
-def mistral_sliding_window(d: Dirs):
+def mistral_zero_sliding_window(d: Dirs):
     def edit(c):
-        c.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4096)
+        c.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=0)
 
     edit_json(d.hf / "config.json", edit)
-    return d.hf, [str(d.hf / "config.json"), "sliding_window=4096", "not supported"]
+    return d.hf, [str(d.hf / "config.json"), "positive sliding_window, got 0"]
 
 
 @case
-def qwen2_use_sliding_window(d: Dirs):
+def qwen2_sliding_window_without_a_size(d: Dirs):
     def edit(c):
         c.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True)
+        c.update(sliding_window=None, max_window_layers=1)
 
     edit_json(d.hf / "config.json", edit)
-    return d.hf, [str(d.hf / "config.json"), "use_sliding_window", "not supported"]
+    return d.hf, [str(d.hf / "config.json"), "positive sliding_window, got None"]
 
 
 @case
@@ -538,8 +539,8 @@ def test_converted_directory_layout(tmp_path, tiny_hf, tiny_hf_4x, layout):
     # in the source, and the layout marker that says so.
     assert checkpoint.has_current_layout(out)
     params = checkpoint.load_params(out, source_config, "float32")
-    flat = {k: np.asarray(v) for k, v in llama.params_to_flat(params).items()}
-    assert {k: v.shape for k, v in flat.items()} == llama.param_shapes(source_config)
+    flat = {k: np.asarray(v) for k, v in registry.params_to_flat(params).items()}
+    assert {k: v.shape for k, v in flat.items()} == registry.param_shapes(source_config)
     hf = all_tensors(source)
     np.testing.assert_array_equal(flat["embed"], hf["model.embed_tokens.weight"])
     np.testing.assert_array_equal(flat["final_norm"], hf["model.norm.weight"])
@@ -577,7 +578,7 @@ def test_harmless_extras_are_accepted(src):
     edit_tensors(src, edit)
     edit_json(src / "config.json", lambda c: c.update(tie_word_embeddings=True))
     source = read_source(src)
-    assert source.config.tie_word_embeddings and source.params.lm_head is None
+    assert source.config.tie_word_embeddings and "lm_head" not in source.params
 
 
 # ----------------------------------------------------------------------------- CLI processes

@@ -10,7 +10,7 @@ import pytest
 
 from ksana_jax.config import ModelConfig
 from ksana_jax.kv_cache import KVCacheSpec, allocate_kv, resolve_kv_dtype
-from ksana_jax.models import llama
+from ksana_jax.models import registry
 from ksana_jax.step import logits_step
 from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
 
@@ -26,7 +26,7 @@ CFG = ModelConfig(
     max_position_embeddings=256,
 )
 PAGE = 4
-PARAMS = llama.init_params(CFG, seed=3)
+PARAMS = registry.init_params(CFG, seed=3)
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 97, 23)]
 
 

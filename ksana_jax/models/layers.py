@@ -1,4 +1,5 @@
-"""Pure building blocks shared by the decoder families: norm, rotary, projections, MLP.
+"""Pure building blocks shared by the decoder families: norms, rotary, projections, gated MLP,
+soft-capping and the call into the attention backend.
 
 Activations flow in float32 (the residual stream); weights may be float32 or bfloat16 and
 each matmul accumulates in float32, so norms, softmax and logits are always computed in
@@ -13,7 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ksana_jax import pallas_kernels
 from ksana_jax.config import ModelConfig
+from ksana_jax.kv_cache import to_kv_dtype
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
+from ksana_jax.step_inputs import StepInputs
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
@@ -34,22 +39,30 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     return y if b is None else y + b.astype(jnp.float32)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis in float32: x f32[..., D], weight [D] -> f32[..., D]."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis in float32: x f32[..., D], weight [D] -> f32[..., D].
+
+    The scale is `offset + weight` computed in float32: Gemma stores weights around 0 and
+    scales by (1 + w), exactly as transformers' Gemma RMSNorm.
+    """
     x = x.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return x * weight.astype(jnp.float32)
+    return x * (offset + weight.astype(jnp.float32))
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse rotary frequencies f32[H // 2], with the config's rope scaling applied.
+def rope_inv_freq(cfg: ModelConfig, layer_index: int = 0) -> np.ndarray:
+    """Inverse rotary frequencies f32[H // 2] of layer `layer_index`, with its rope base and
+    scaling (`cfg.layer_rope`) and the GGUF rope factors (`cfg.rope_freq_factors`) applied.
 
     Computed in float32 exactly as transformers does, so positions rotate identically.
     """
     dim = cfg.head_dim
+    theta, scaling = cfg.layer_rope(layer_index)
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
-    scaling = cfg.rope_scaling
+    inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+    if cfg.rope_freq_factors is not None:
+        # llama.cpp's rope_freqs.weight: theta_i = pos * base^(-2i/H) / factor_i.
+        inv_freq = (inv_freq / np.asarray(cfg.rope_freq_factors, np.float32)).astype(np.float32)
     if scaling is None:
         return inv_freq
     if scaling.rope_type == "linear":
@@ -79,6 +92,67 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
+def gated_mlp(
+    x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, act: str = "silu"
+) -> jax.Array:
+    """down(act(gate(x)) * up(x)): x f32[T, D] -> f32[T, D]; act "silu" (SwiGLU) or
+    "gelu_pytorch_tanh" (GeGLU with the tanh approximation, Gemma)."""
+    gate = linear(x, w_gate)
+    gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
+    return linear(gate * linear(x, w_up), w_down)
+
+
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """down(silu(gate(x)) * up(x)): x f32[T, D] -> f32[T, D]."""
-    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+    return gated_mlp(x, w_gate, w_up, w_down, "silu")
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap), or x when cap is None (Gemma 2's logit soft-capping)."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def attention_spec(cfg: ModelConfig, layer_index: int) -> AttentionSpec:
+    """Layer `layer_index`'s static attention description: scale, window, soft-cap."""
+    return AttentionSpec(
+        sm_scale=cfg.sm_scale,
+        sliding_window=cfg.layer_window(layer_index),
+        logit_softcap=cfg.attn_logit_softcapping,
+    )
+
+
+def paged_attention(
+    cfg: ModelConfig,
+    inputs: StepInputs,
+    kv: jax.Array,
+    layer_index: int,
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    backend: str,
+) -> tuple[jax.Array, jax.Array]:
+    """Writes this step's K/V of one layer into the pages, then attends: q f32[T, N, H],
+    k_new/v_new f32[T, K, H] -> (f32[T, N, H], kv).
+
+    The write comes first and attention reads the written array (earlier tokens from the
+    pages, this step's from k_new/v_new). That data dependency orders each layer's page
+    reads before the next layer's write, so XLA updates the donated KV in place; reading
+    first and writing after lets it schedule the write early and copy the whole array.
+    """
+    # Round through the KV dtype so this step attends to exactly what later steps will read.
+    k_new, v_new = to_kv_dtype(k_new, kv.dtype), to_kv_dtype(v_new, kv.dtype)
+    interpret = backend in pallas_kernels.PALLAS_BACKENDS and jax.default_backend() == "cpu"
+    write = pallas_kernels.get_layer_kv_writer(backend, interpret)
+    kv = write(kv, layer_index, k_new, v_new, inputs.slot_ids)
+    out = pallas_kernels.get_attention(backend, interpret)(
+        q,
+        k_new,
+        v_new,
+        kv,
+        jnp.int32(layer_index),
+        inputs.page_table,
+        inputs.seq_lens,
+        inputs.query_starts,
+        spec=attention_spec(cfg, layer_index),
+    )
+    return out, kv

@@ -1,62 +1,52 @@
 """Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2) as pure functions.
 
 `forward(params, cfg, kv, inputs)` runs one ragged step: it embeds the step's new tokens,
-runs the decoder layers, each attending through the page tables to earlier tokens' K/V,
-then writes every layer's new K/V into the paged KV array at once (in place, the array is
-donated) and returns the final hidden states and the updated KV. `logits` projects chosen
-hidden states onto the vocabulary. Nothing is cached inside the model and no mode is fixed
-at construction.
+runs the decoder layers, each writing its new K/V into the paged KV array (in place, the
+array is donated) and attending through the page tables to earlier tokens' K/V, and returns
+the final hidden states and the updated KV. `logits` projects chosen hidden states onto the
+vocabulary. Nothing is cached inside the model and no mode is fixed at construction.
+
+Options read from the config: q/k/v (and o) biases, q/k RMSNorm per head (`qk_norm`, used
+by qwen3.py, which reuses this decoder), and per-layer sliding windows (Mistral's
+`sliding_window`, Qwen2's `use_sliding_window` above `max_window_layers`), which reach the
+attention backend through each layer's static `AttentionSpec`.
 
 The layers are a Python loop over per-layer weight buffers, not a `lax.scan` over stacked
-weights. Measured on XLA:CPU (jax 0.10.2, this repo's 2-core AVX512/AMX machine): a
-bfloat16 matmul whose weight is a slice of a stacked array, or that sits inside a while
-loop, misses the fast oneDNN path -- 30 layers of [576, 4608] bf16 weights at 16 tokens
-take 115 ms under `lax.scan` and 15 ms unrolled over separate buffers (float32: ~40-55 ms
-either way). Unrolling costs compile time (SmolLM2, 30 layers: ~4 s per bucket instead of
-~1.5 s), which warm-up pays once and the persistent compilation cache amortises. The
-checkpoint keeps the stacked layout; `params_from_flat` splits it.
+weights: on XLA:CPU a bfloat16 matmul whose weight is a slice of a stacked array, or that
+sits inside a while loop, misses the fast oneDNN path (measured several times slower).
+Unrolling costs compile time per bucket, which warm-up pays once and the persistent
+compilation cache amortises. The checkpoint keeps the stacked layout; the registry's
+`params_from_flat` splits it.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import struct
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from ksana_jax import pallas_kernels
-from ksana_jax.config import ModelConfig
-from ksana_jax.kv_cache import to_kv_dtype
-from ksana_jax.models.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
-from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
+import jax
+import numpy as np
+
+from ksana_jax.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelConfig,
+    gguf_common_fields,
+    hf_common_fields,
+    require_value,
+)
+from ksana_jax.models.layers import (
+    apply_rope,
+    gated_mlp,
+    linear,
+    paged_attention,
+    rms_norm,
+    rope_inv_freq,
+)
+from ksana_jax.models.registry import Family, LayerParams, Params
 from ksana_jax.step_inputs import StepInputs
 
-
-@struct.dataclass
-class LayerParams:
-    """One decoder layer's weights; matrices are [out, in] (see `layers.linear`)."""
-
-    attn_norm: jax.Array  # [D]
-    wq: jax.Array  # [N*H, D]
-    wk: jax.Array  # [K*H, D]
-    wv: jax.Array  # [K*H, D]
-    wo: jax.Array  # [D, N*H]
-    mlp_norm: jax.Array  # [D]
-    w_gate: jax.Array  # [F, D]
-    w_up: jax.Array  # [F, D]
-    w_down: jax.Array  # [D, F]
-    bq: jax.Array | None = None  # [N*H]  (qkv_bias)
-    bk: jax.Array | None = None  # [K*H]
-    bv: jax.Array | None = None  # [K*H]
-    bo: jax.Array | None = None  # [D]    (o_bias)
-
-
-@struct.dataclass
-class LlamaParams:
-    embed: jax.Array  # [V, D]
-    layers: tuple[LayerParams, ...]  # L separate layers (see the module docstring)
-    final_norm: jax.Array  # [D]
-    lm_head: jax.Array | None = None  # [V, D]; None when tied to embed
+# --------------------------------------------------------------------------- declarations
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -87,49 +77,174 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         }
     if cfg.o_bias:
         shapes["layers.bo"] = (n_layers, d)
+    if cfg.qk_norm:
+        shapes |= {
+            "layers.q_norm": (n_layers, cfg.head_dim),
+            "layers.k_norm": (n_layers, cfg.head_dim),
+        }
     return shapes
 
 
-def params_from_flat(flat: dict[str, jax.Array]) -> LlamaParams:
-    """Builds the params pytree from flat names, splitting layer-stacked arrays per layer."""
-    stacked = {k.removeprefix("layers."): v for k, v in flat.items() if k.startswith("layers.")}
-    num_layers = len(stacked["wq"])
-    layers = tuple(
-        LayerParams(**{name: value[i] for name, value in stacked.items()})
+# Logical axes (sharding.py) of each parameter; matrices are [out, in].
+PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "layers.attn_norm": ("layers", "embed"),
+    "layers.mlp_norm": ("layers", "embed"),
+    "layers.wq": ("layers", "q_heads", "embed"),
+    "layers.wk": ("layers", "kv_heads", "embed"),
+    "layers.wv": ("layers", "kv_heads", "embed"),
+    "layers.wo": ("layers", "embed", "q_heads"),
+    "layers.bq": ("layers", "q_heads"),
+    "layers.bk": ("layers", "kv_heads"),
+    "layers.bv": ("layers", "kv_heads"),
+    "layers.bo": ("layers", "embed"),
+    "layers.q_norm": ("layers", "head_dim"),
+    "layers.k_norm": ("layers", "head_dim"),
+    "layers.w_gate": ("layers", "mlp", "embed"),
+    "layers.w_up": ("layers", "mlp", "embed"),
+    "layers.w_down": ("layers", "embed", "mlp"),
+}
+
+# HF tensor name -> flat name. Matrices keep HF's (out, in) layout.
+HF_TOP = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "final_norm",
+    "lm_head.weight": "lm_head",
+}
+HF_LAYER = {
+    "input_layernorm.weight": "layers.attn_norm",
+    "self_attn.q_proj.weight": "layers.wq",
+    "self_attn.k_proj.weight": "layers.wk",
+    "self_attn.v_proj.weight": "layers.wv",
+    "self_attn.o_proj.weight": "layers.wo",
+    "self_attn.q_proj.bias": "layers.bq",
+    "self_attn.k_proj.bias": "layers.bk",
+    "self_attn.v_proj.bias": "layers.bv",
+    "self_attn.o_proj.bias": "layers.bo",
+    "self_attn.q_norm.weight": "layers.q_norm",
+    "self_attn.k_norm.weight": "layers.k_norm",
+    "post_attention_layernorm.weight": "layers.mlp_norm",
+    "mlp.gate_proj.weight": "layers.w_gate",
+    "mlp.up_proj.weight": "layers.w_up",
+    "mlp.down_proj.weight": "layers.w_down",
+}
+# llama.cpp tensor name -> HF name (None: read by the config reader, not a parameter).
+GGUF_TOP: dict[str, str | None] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": None,
+}
+GGUF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def sliding_layers(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """layer_types and sliding_window of a Qwen2/Qwen3 config: with use_sliding_window, layers
+    from max_window_layers on slide (or `layer_types` as saved); without, none do."""
+    num_layers = int(hf["num_hidden_layers"])
+    if not hf.get("use_sliding_window"):
+        return {}
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types") or [
+        SLIDING_ATTENTION if i >= int(hf.get("max_window_layers", num_layers)) else FULL_ATTENTION
         for i in range(num_layers)
+    ]
+    return dict(layer_types=tuple(layer_types), sliding_window=window)
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """Reads: the shared fields (config.hf_common_fields), hidden_act (silu), mlp_bias (false),
+    attention_bias, sliding_window (mistral), use_sliding_window / max_window_layers /
+    layer_types (qwen2), rope_freq_factors (ours, from a GGUF's rope_freqs.weight)."""
+    model_type = hf["model_type"]
+    require_value(hf, "hidden_act", ("silu",), default="silu")
+    require_value(hf, "mlp_bias", (False,), default=False)
+    bias = bool(hf.get("attention_bias", False))
+    fields = hf_common_fields(hf)
+    if model_type == "mistral" and hf.get("sliding_window") is not None:
+        window = int(hf["sliding_window"])
+        fields |= dict(layer_types=(SLIDING_ATTENTION,) * fields["num_hidden_layers"])
+        fields |= dict(sliding_window=window)
+    if model_type == "qwen2":
+        fields |= sliding_layers(hf)
+    factors = hf.get("rope_freq_factors")
+    return ModelConfig(
+        **fields,
+        qkv_bias=model_type == "qwen2" or bias,
+        o_bias=model_type != "qwen2" and bias,
+        rope_freq_factors=None if factors is None else tuple(float(f) for f in factors),
     )
-    return LlamaParams(
-        embed=flat["embed"],
-        layers=layers,
-        final_norm=flat["final_norm"],
-        lm_head=flat.get("lm_head"),
-    )
 
 
-def params_to_flat(params: LlamaParams) -> dict[str, jax.Array]:
-    """Inverse of params_from_flat (layers stacked again); absent parameters are left out."""
-    flat = {"embed": params.embed, "final_norm": params.final_norm, "lm_head": params.lm_head}
-    xp = np if isinstance(params.embed, np.ndarray) else jnp
-    for name in LayerParams.__dataclass_fields__:
-        values = [getattr(layer, name) for layer in params.layers]
-        flat[f"layers.{name}"] = None if values[0] is None else xp.stack(values)
-    return {k: v for k, v in flat.items() if v is not None}
+def config_from_gguf(
+    metadata: Mapping[str, Any],
+    tensor_names: set[str],
+    dtype: str = "float32",
+    read_tensor: Callable[[str], np.ndarray] | None = None,
+) -> ModelConfig:
+    """Reads the shared GGUF keys; `rope_freqs.weight` (Llama 3.1's rope factors) through
+    `read_tensor`; refuses `{arch}.attention.sliding_window`."""
+    arch = metadata["general.architecture"]
+    if metadata.get(f"{arch}.attention.sliding_window"):
+        raise ValueError(
+            f"{arch}.attention.sliding_window is not supported for GGUF {arch}; "
+            "supported: models without sliding-window attention (convert the HF checkpoint)"
+        )
+    fields = gguf_common_fields(metadata, tensor_names, dtype)
+    factors = None
+    if "rope_freqs.weight" in tensor_names:
+        if read_tensor is None:
+            raise ValueError("GGUF tensor rope_freqs.weight is present but was not read")
+        factors = tuple(float(f) for f in np.asarray(read_tensor("rope_freqs.weight")).ravel())
+        if len(factors) != fields["head_dim"] // 2:
+            raise ValueError(
+                f"GGUF tensor rope_freqs.weight has {len(factors)} values, expected "
+                f"head_dim / 2 = {fields['head_dim'] // 2}"
+            )
+    return ModelConfig(**fields, qkv_bias=arch == "qwen2", rope_freq_factors=factors)
 
 
-def init_params(cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> LlamaParams:
-    """Random weights (normal, std 0.02; norms around 1) for tests and benchmarks."""
-    rng = np.random.default_rng(seed)
-    flat = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith("norm"):
-            value = 1.0 + 0.1 * rng.standard_normal(shape)
-        else:
-            value = 0.02 * rng.standard_normal(shape)
-        flat[name] = jnp.asarray(value, dtype=dtype)
-    return params_from_flat(flat)
+def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row permutation (interleaved -> rotate-half rotary)."""
+    d_out = w.shape[0]
+    head_dim = d_out // num_heads
+    rest = w.shape[1:]
+    return w.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(d_out, *rest)
 
 
-def _decoder_layer(
+def from_gguf(hf_name: str, value: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """llama.cpp permutes Q/K rows for its interleaved rotary, for the llama architecture only
+    (not qwen2): undo it so the rotate-half rotary applies."""
+    if cfg.model_type != "llama" or not hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        return value
+    heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
+    expected = (heads * cfg.head_dim, cfg.hidden_size)
+    if value.shape != expected:
+        raise ValueError(f"tensor {hf_name!r} has shape {value.shape}, expected {expected}")
+    return unpermute_rows(value, heads)
+
+
+# --------------------------------------------------------------------------- compute
+
+
+def attention_block(
     cfg: ModelConfig,
     inputs: StepInputs,
     kv: jax.Array,
@@ -137,49 +252,28 @@ def _decoder_layer(
     layer_index: int,
     layer: LayerParams,
     backend: str,
+    norm_offset: float = 0.0,
 ) -> tuple[jax.Array, jax.Array]:
-    """One decoder layer: x f32[T, D] -> f32[T, D], and kv with this layer's new K/V written.
-
-    The write comes first and attention reads the written array (earlier tokens from the
-    pages, this step's from k_new/v_new). That data dependency orders each layer's page
-    reads before the next layer's write, so XLA updates the donated KV in place; reading
-    first and writing after lets it schedule the write early and copy the whole array.
-    """
+    """Projections, optional q/k norm, rotary and paged attention of normed x f32[T, D] ->
+    the attention output projected back f32[T, D], and kv with this layer's K/V written.
+    `norm_offset` is the q/k norms' (1.0 for Gemma's (1 + w) norms)."""
     num_tokens = x.shape[0]
     n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    inv_freq = rope_inv_freq(cfg)
-
-    hidden = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-    q = linear(hidden, layer.wq, layer.bq).reshape(num_tokens, n, h)
-    k_new = linear(hidden, layer.wk, layer.bk).reshape(num_tokens, k, h)
-    v_new = linear(hidden, layer.wv, layer.bv).reshape(num_tokens, k, h)
+    q = linear(x, layer["wq"], layer.get("bq")).reshape(num_tokens, n, h)
+    k_new = linear(x, layer["wk"], layer.get("bk")).reshape(num_tokens, k, h)
+    v_new = linear(x, layer["wv"], layer.get("bv")).reshape(num_tokens, k, h)
+    if cfg.qk_norm:
+        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, norm_offset)
+        k_new = rms_norm(k_new, layer["k_norm"], cfg.rms_norm_eps, norm_offset)
+    inv_freq = rope_inv_freq(cfg, layer_index)
     q = apply_rope(q, inputs.positions, inv_freq)
     k_new = apply_rope(k_new, inputs.positions, inv_freq)
-    # Round through the KV dtype so this step attends to exactly what later steps will read.
-    k_new, v_new = to_kv_dtype(k_new, kv.dtype), to_kv_dtype(v_new, kv.dtype)
-
-    interpret = backend in pallas_kernels.PALLAS_BACKENDS and jax.default_backend() == "cpu"
-    write = pallas_kernels.get_layer_kv_writer(backend, interpret)
-    kv = write(kv, layer_index, k_new, v_new, inputs.slot_ids)
-    attn = pallas_kernels.get_attention(backend, interpret)(
-        q,
-        k_new,
-        v_new,
-        kv,
-        jnp.int32(layer_index),
-        inputs.page_table,
-        inputs.seq_lens,
-        inputs.query_starts,
-        spec=AttentionSpec(h**-0.5),
-    )
-    x = x + linear(attn.reshape(num_tokens, n * h), layer.wo, layer.bo)
-
-    hidden = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    return x + swiglu_mlp(hidden, layer.w_gate, layer.w_up, layer.w_down), kv
+    attn, kv = paged_attention(cfg, inputs, kv, layer_index, q, k_new, v_new, backend)
+    return linear(attn.reshape(num_tokens, n * h), layer["wo"], layer.get("bo")), kv
 
 
 def forward(
-    params: LlamaParams,
+    params: Params,
     cfg: ModelConfig,
     kv: jax.Array,
     inputs: StepInputs,
@@ -188,7 +282,7 @@ def forward(
     """One ragged step.
 
     Args:
-      params: the model weights.
+      params: the model weights (registry.Params).
       cfg: static model configuration.
       kv: [L, 2, K, num_pages, page_size, H] paged KV (see kv_cache.py).
       inputs: the step's tokens and page tables (T tokens, S sequences).
@@ -196,13 +290,39 @@ def forward(
         (a Pallas backend on CPU runs in interpret mode: tests only).
     Returns: final-norm hidden states f32[T, D] and the updated kv.
     """
-    x = params.embed[inputs.token_ids].astype(jnp.float32)  # [T, D]
-    for i, layer in enumerate(params.layers):
-        x, kv = _decoder_layer(cfg, inputs, kv, x, i, layer, backend)
-    return rms_norm(x, params.final_norm, cfg.rms_norm_eps), kv
+    x = params["embed"][inputs.token_ids].astype("float32")  # [T, D]
+    for i, layer in enumerate(params["layers"]):
+        hidden = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+        attn, kv = attention_block(cfg, inputs, kv, hidden, i, layer, backend)
+        x = x + attn
+        hidden = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+        x = x + gated_mlp(hidden, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.hidden_act)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
 
 
-def logits(params: LlamaParams, hidden: jax.Array) -> jax.Array:
+def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Vocabulary logits f32[R, V] of hidden states f32[R, D] (a separate LM head [V, D], or
     the embeddings [V, D] when tied)."""
-    return linear(hidden, params.embed if params.lm_head is None else params.lm_head)
+    return linear(hidden, params.get("lm_head", params["embed"]))
+
+
+FAMILY = Family(
+    name="llama",
+    architectures={
+        "llama": ("LlamaForCausalLM",),
+        "mistral": ("MistralForCausalLM",),
+        "qwen2": ("Qwen2ForCausalLM",),
+    },
+    gguf_architectures=("llama", "qwen2"),
+    config_from_hf=config_from_hf,
+    config_from_gguf=config_from_gguf,
+    param_shapes=param_shapes,
+    param_axes=PARAM_AXES,
+    hf_top=HF_TOP,
+    hf_layer=HF_LAYER,
+    gguf_top=GGUF_TOP,
+    gguf_layer=GGUF_LAYER,
+    forward=forward,
+    logits=logits,
+    from_gguf=from_gguf,
+)

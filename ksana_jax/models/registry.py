@@ -1,0 +1,232 @@
+"""The model registry: which family serves a `model_type` or GGUF architecture, and the
+family-agnostic face of a model (config readers, params pytree, forward, logits).
+
+A family module (llama.py, qwen3.py, gemma.py) ends with `FAMILY = Family(...)`; the modules
+are listed once in `FAMILY_MODULES`. Everything outside `models/` -- runner, step, model,
+sharding, checkpoint and checkpoints_tools -- goes through the functions here and never
+imports a family.
+
+Params are a plain pytree of named arrays, the same shape for every family:
+
+    {"embed": [V, D], "final_norm": [D], "lm_head": [V, D] (untied only), ...,
+     "layers": ({"wq": [N*H, D], ...}, ...)}         one dict per layer (see llama.py for why)
+
+Flat names ("embed", "layers.wq") key the checkpoint (layers stacked on a first L axis), the
+family's parameter shapes, HF name maps and sharding axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ksana_jax.config import ModelConfig
+from ksana_jax.step_inputs import StepInputs
+
+# Listing a new family's module here is the one edit outside its own file.
+FAMILY_MODULES = ("ksana_jax.models.llama", "ksana_jax.models.qwen3", "ksana_jax.models.gemma")
+
+LayerParams: TypeAlias = dict[str, jax.Array]
+Params: TypeAlias = dict[str, "jax.Array | tuple[LayerParams, ...]"]
+LAYER_PREFIX = "layers."
+HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What a model family declares. Names: `flat` = ours ("layers.wq"), HF = transformers'
+    ("model.layers.{i}.self_attn.q_proj.weight"), GGUF = llama.cpp's ("blk.{i}.attn_q.weight").
+
+    Per-layer entries of the name maps are relative to the layer ("self_attn.q_proj.weight",
+    "attn_q.weight"); `hf_top` / `gguf_top` hold the rest.
+    """
+
+    name: str
+    architectures: Mapping[str, tuple[str, ...]]  # HF model_type -> its architecture classes
+    gguf_architectures: tuple[str, ...]  # GGUF general.architecture values
+    config_from_hf: Callable[[Mapping[str, Any]], ModelConfig]
+    # (metadata, tensor names, dtype, read_tensor(name) -> values) -> config
+    config_from_gguf: Callable[..., ModelConfig]
+    param_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]  # flat name -> shape
+    param_axes: Mapping[str, tuple[str | None, ...]]  # flat name -> logical axes (sharding.py)
+    hf_top: Mapping[str, str]  # HF name -> flat name
+    hf_layer: Mapping[str, str]  # per-layer HF name -> flat name
+    gguf_top: Mapping[str, str]  # GGUF name -> HF name
+    gguf_layer: Mapping[str, str]  # per-layer GGUF name -> per-layer HF name
+    # (params, cfg, kv, inputs, backend) -> (final hidden f32[T, D], kv)
+    forward: Callable[..., tuple[jax.Array, jax.Array]]
+    logits: Callable[[Params, ModelConfig, jax.Array], jax.Array]  # hidden [R, D] -> [R, V]
+    # An HF tensor name as written in the checkpoint -> its name in hf_top / hf_layer terms,
+    # or None for a tensor to skip (a multimodal checkpoint's vision tower).
+    hf_rename: Callable[[str], str | None] = lambda name: name
+    # (HF name, float32 value from GGUF, cfg) -> the value as transformers holds it.
+    from_gguf: Callable[[str, np.ndarray, ModelConfig], np.ndarray] = lambda n, v, c: v
+
+    def architecture(self, model_type: str) -> str:
+        return self.architectures[model_type][0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Registry:
+    by_model_type: dict[str, Family]
+    by_gguf_architecture: dict[str, Family]
+
+
+_registry: _Registry | None = None
+
+
+def _load() -> _Registry:
+    global _registry
+    if _registry is None:
+        families = [importlib.import_module(m).FAMILY for m in FAMILY_MODULES]
+        _registry = _Registry(
+            {t: f for f in families for t in f.architectures},
+            {a: f for f in families for a in f.gguf_architectures},
+        )
+    return _registry
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(sorted(_load().by_model_type))
+
+
+def supported_gguf_architectures() -> tuple[str, ...]:
+    return tuple(sorted(_load().by_gguf_architecture))
+
+
+def supported_architectures() -> tuple[str, ...]:
+    families = _load().by_model_type
+    return tuple(a for t in sorted(families) for a in families[t].architectures[t])
+
+
+def family_of(model_type: str) -> Family:
+    """The family registered for HF `model_type`; ValueError listing the supported ones."""
+    families = _load().by_model_type
+    if model_type not in families:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {supported_model_types()}"
+        )
+    return families[model_type]
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """ModelConfig from a transformers config.json dict, read by its family."""
+    model_type = hf.get("model_type")
+    families = _load().by_model_type
+    if model_type not in families:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} (architectures {hf.get('architectures')}); "
+            f"supported: {supported_model_types()} ({', '.join(supported_architectures())})"
+        )
+    family = families[model_type]
+    architectures = hf.get("architectures") or [family.architecture(model_type)]
+    if architectures[0] not in family.architectures[model_type]:
+        raise ValueError(
+            f"unsupported architecture {architectures[0]!r} for model_type {model_type!r}; "
+            f"supported: {family.architectures[model_type]} (all: "
+            f"{', '.join(supported_architectures())})"
+        )
+    return family.config_from_hf(hf)
+
+
+def config_from_gguf(
+    metadata: Mapping[str, Any],
+    tensor_names: set[str],
+    dtype: str = "float32",
+    read_tensor: Callable[[str], np.ndarray] | None = None,
+) -> ModelConfig:
+    """ModelConfig from GGUF metadata and tensor names, read by the architecture's family;
+    `read_tensor(name)` gives a tensor's float32 values where the config needs them (a Llama
+    3.1 GGUF's rope_freqs.weight)."""
+    arch = metadata.get("general.architecture")
+    families = _load().by_gguf_architecture
+    if arch not in families:
+        raise ValueError(
+            f"unsupported GGUF general.architecture {arch!r}; "
+            f"supported: {supported_gguf_architectures()}"
+        )
+    return families[arch].config_from_gguf(metadata, tensor_names, dtype, read_tensor)
+
+
+# --------------------------------------------------------------------------- params pytree
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Flat name -> shape of every parameter of `cfg`'s model (layers stacked on L)."""
+    return family_of(cfg.model_type).param_shapes(cfg)
+
+
+def param_axes(cfg: ModelConfig) -> Mapping[str, tuple[str | None, ...]]:
+    """Flat name -> logical axes (sharding.py's names) of every parameter of the family."""
+    return family_of(cfg.model_type).param_axes
+
+
+def params_from_flat(flat: Mapping[str, Any]) -> Params:
+    """The params pytree from flat names, splitting layer-stacked arrays per layer."""
+    stacked = {k.removeprefix(LAYER_PREFIX): v for k, v in flat.items() if k.startswith("layers.")}
+    num_layers = len(next(iter(stacked.values())))
+    params: Params = {k: v for k, v in flat.items() if not k.startswith(LAYER_PREFIX)}
+    params["layers"] = tuple(
+        {name: value[i] for name, value in stacked.items()} for i in range(num_layers)
+    )
+    return params
+
+
+def params_to_flat(params: Params) -> dict[str, Any]:
+    """Inverse of params_from_flat (layers stacked again)."""
+    flat = {k: v for k, v in params.items() if k != "layers"}
+    layers = params["layers"]
+    xp = np if isinstance(layers[0][next(iter(layers[0]))], np.ndarray) else jnp
+    for name in layers[0]:
+        flat[LAYER_PREFIX + name] = xp.stack([layer[name] for layer in layers])
+    return flat
+
+
+def flat_name(path: tuple) -> str:
+    """Flat name of a params leaf from its pytree path: "embed", "layers.wq" (any layer)."""
+    return ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def params_dtype(params: Params) -> str:
+    return str(params["embed"].dtype)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> Params:
+    """Random weights (normal, std 0.02; norms around 1) for tests and benchmarks."""
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm"):
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            value = 0.02 * rng.standard_normal(shape)
+        flat[name] = jnp.asarray(value, dtype=dtype)
+    return params_from_flat(flat)
+
+
+# --------------------------------------------------------------------------- compute
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    kv: jax.Array,
+    inputs: StepInputs,
+    backend: str = "reference",
+) -> tuple[jax.Array, jax.Array]:
+    """One ragged step of `cfg`'s family: final hidden states f32[T, D] and the updated kv
+    [L, 2, K, num_pages, page_size, H]; `backend` is the attention backend's name."""
+    return family_of(cfg.model_type).forward(params, cfg, kv, inputs, backend)
+
+
+def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Vocabulary logits f32[R, V] of final hidden states f32[R, D]."""
+    return family_of(cfg.model_type).logits(params, cfg, hidden)
