@@ -9,7 +9,8 @@ Differences from the Llama decoder (llama.py), all as transformers computes them
 - attention scores scaled by query_pre_attn_scalar ** -0.5, soft-capped (Gemma 2:
   attn_logit_softcapping), sliding-window layers alternating with global ones (Gemma 2:
   every other layer; Gemma 3: `layer_types`, five sliding to one global);
-- final logits soft-capped (Gemma 2: final_logit_softcapping);
+- final logits soft-capped (final_logit_softcapping; Gemma 3's attn_logit_softcapping is
+  ignored, as transformers and llama.cpp ignore it);
 - Gemma 3: q/k RMSNorm per head, a separate rope base for sliding layers (unscaled) and
   rope scaling on global ones.
 A multimodal `gemma3` checkpoint (Gemma3ForConditionalGeneration) converts to its language
@@ -175,7 +176,11 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         layer_types=layer_types,
         sliding_window=None if window is None else int(window),
         query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-        attn_logit_softcapping=_float_or_none(hf, "attn_logit_softcapping", model_type),
+        # transformers' Gemma 3 keeps attn_logit_softcapping but never applies it (q/k norms
+        # replaced it; llama.cpp's gemma3 ignores it too): so do we.
+        attn_logit_softcapping=None
+        if model_type == "gemma3_text"
+        else _float_or_none(hf, "attn_logit_softcapping", model_type),
         final_logit_softcapping=_float_or_none(hf, "final_logit_softcapping", model_type),
     )
 
@@ -216,6 +221,8 @@ def config_from_gguf(
         name: None if metadata.get(f"{arch}.{name}") is None else float(metadata[f"{arch}.{name}"])
         for name in ("attn_logit_softcapping", "final_logit_softcapping")
     }
+    if model_type == "gemma3_text":
+        caps["attn_logit_softcapping"] = None  # see config_from_hf
     return ModelConfig(
         **fields | dict(model_type=model_type),
         hidden_act=GELU_TANH,
