@@ -1,1 +1,44 @@
-"""Model families. Each is a module of pure functions over a params pytree."""
+"""Model families: each a module of pure functions over a params pytree, found by the registry.
+
+registry.py    the `Family` record, the registry (HF model_type / GGUF architecture ->
+               family) and the family-agnostic face everyone else uses: config readers,
+               param shapes and axes, params <-> flat names, forward, logits
+layers.py      shared blocks: RMSNorm (incl. Gemma's 1 + w), rotary (per-layer bases, rope
+               scaling, GGUF rope factors), gated MLP (SiLU / tanh-GELU), soft-cap, the
+               per-layer AttentionSpec and the paged-attention call
+llama.py       Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2 (and the decoder Qwen3 reuses)
+qwen3.py       Qwen3
+gemma.py       Gemma 2, Gemma 3 text (and a multimodal Gemma 3's language model)
+
+Nothing outside this package imports a family module; runner, step, model, sharding,
+checkpoint and checkpoints_tools call `registry`.
+
+Adding a family
+---------------
+One new module plus its line in `registry.FAMILY_MODULES`; qwen3.py is the example. The
+module ends with a `FAMILY = registry.Family(...)` that declares:
+
+1. `architectures` / `gguf_architectures`: the HF `model_type` values (with their
+   architecture classes) and GGUF `general.architecture` values it serves.
+2. `config_from_hf(hf_dict)` and `config_from_gguf(metadata, tensor_names, dtype,
+   read_tensor)`: read the fields the family uses into a `ModelConfig` (the shared ones via
+   `config.hf_common_fields` / `gguf_common_fields`), and raise ValueError naming any field
+   whose value the family does not implement. Qwen3 adds `qk_norm=True`, its biases and
+   Qwen's sliding-window fields. Per-layer choices are tuples (`layer_types`), so the config
+   stays hashable and each layer's attention is static.
+3. `param_shapes(cfg)`: flat name -> shape, layers stacked on a first L axis ("layers.q_norm":
+   (L, H) for Qwen3); `param_axes`: flat name -> logical axes for sharding.py.
+4. Name maps: `hf_top` / `hf_layer` (HF name -> flat name), `gguf_top` / `gguf_layer`
+   (llama.cpp name -> HF name), and when the files differ from transformers' values,
+   `hf_rename` (e.g. a multimodal checkpoint's prefixes) and `from_gguf` (what llama.cpp's
+   converter changed: permuted Q/K rows for `llama`, +1 folded into Gemma norms).
+5. `forward(params, cfg, kv, inputs, backend)` -> (final hidden f32[T, D], kv) and
+   `logits(params, cfg, hidden)` -> f32[R, V], built from layers.py. Qwen3 reuses llama.py's
+   decoder, which applies the q/k norms when `cfg.qk_norm`; a family with a different layer
+   (gemma.py) writes its own loop over `params["layers"]` and calls
+   `layers.paged_attention` once per layer, which writes the layer's K/V and attends with the
+   layer's `AttentionSpec` (scale, sliding window, soft-cap).
+
+Then add its cases to tests/family_models.py: tests/test_families.py checks the logits against
+transformers, the declarations against each other and the config round trip.
+"""
