@@ -119,6 +119,44 @@ def test_gemma3_rope_bases_per_layer_type():
     np.testing.assert_allclose(rope_inv_freq(cfg, 0)[0], 1.0)
 
 
+def test_gemma3_multimodal_config_reads_its_text_config_over_the_defaults():
+    """A hub gemma-3-4b config.json lists in text_config only what differs from
+    Gemma3TextConfig's defaults; the rest (heads, head_dim, vocabulary, rope bases) is filled
+    in, and the model is its language model."""
+    hf = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "eos_token_id": [1, 106],
+        "torch_dtype": "bfloat16",
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    with pytest.warns(UserWarning, match="images are not supported"):
+        cfg = ModelConfig.from_hf_dict(hf)
+    assert (cfg.model_type, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        "gemma3_text",
+        8,
+        4,
+    )
+    assert (cfg.head_dim, cfg.vocab_size, cfg.dtype, cfg.eos_token_ids) == (
+        256,
+        262208,
+        "bfloat16",
+        (1, 106),
+    )
+    assert cfg.tie_word_embeddings and cfg.qk_norm and cfg.sm_scale == 256**-0.5
+    assert cfg.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
+    assert cfg.layer_rope(0) == (10000.0, None) and cfg.layer_window(0) == 1024
+    assert cfg.layer_rope(5) == (1e6, RopeScaling("linear", 8.0)) and cfg.layer_window(5) is None
+
+
 def test_qwen2_has_qkv_bias_and_no_o_bias():
     cfg = ModelConfig.from_hf_dict(
         LLAMA2

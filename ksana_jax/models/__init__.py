@@ -15,8 +15,8 @@ checkpoint and checkpoints_tools call `registry`.
 
 Adding a family
 ---------------
-One new module plus its line in `registry.FAMILY_MODULES`; qwen3.py is the example. The
-module ends with a `FAMILY = registry.Family(...)` that declares:
+One new module in this package; qwen3.py is the example. The registry finds it by its
+module-level `FAMILY = registry.Family(...)`, which declares:
 
 1. `architectures` / `gguf_architectures`: the HF `model_type` values (with their
    architecture classes) and GGUF `general.architecture` values it serves.

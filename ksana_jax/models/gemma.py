@@ -138,6 +138,25 @@ def _gemma3_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta)
 
 
+# Gemma3TextConfig's defaults: a multimodal checkpoint's text_config lists only the fields
+# that differ from them (gemma-3-4b: hidden, MLP and layer sizes, rope scaling, window).
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=131072,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10000.0,
+)
+
+
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     """Reads: the shared fields, hidden_activation (gelu_pytorch_tanh), attention_bias,
     query_pre_attn_scalar, sliding_window, layer_types (or sliding_window_pattern),
@@ -150,7 +169,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
             "supported",
             stacklevel=2,
         )
-        text = dict(hf.get("text_config") or {})
+        text = GEMMA3_TEXT_DEFAULTS | dict(hf.get("text_config") or {})
         for name in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "dtype", "torch_dtype"):
             if name in hf and name not in text:
                 text[name] = hf[name]

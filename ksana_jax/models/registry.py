@@ -1,10 +1,11 @@
 """The model registry: which family serves a `model_type` or GGUF architecture, and the
 family-agnostic face of a model (config readers, params pytree, forward, logits).
 
-A family module (llama.py, qwen3.py, gemma.py) ends with `FAMILY = Family(...)`; the modules
-are listed once in `FAMILY_MODULES`. Everything outside `models/` -- runner, step, model,
-sharding, checkpoint and checkpoints_tools -- goes through the functions here and never
-imports a family.
+A family module (llama.py, qwen3.py, gemma.py) ends with `FAMILY = Family(...)`; the registry
+imports every module of this package on first use and registers each `FAMILY` it finds, so a
+new family is one new file. Everything outside `models/` -- runner, step, model, sharding,
+checkpoint and checkpoints_tools -- goes through the functions here and never imports a
+family.
 
 Params are a plain pytree of named arrays, the same shape for every family:
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import pkgutil
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
@@ -29,9 +31,6 @@ import numpy as np
 
 from ksana_jax.config import ModelConfig
 from ksana_jax.step_inputs import StepInputs
-
-# Listing a new family's module here is the one edit outside its own file.
-FAMILY_MODULES = ("ksana_jax.models.llama", "ksana_jax.models.qwen3", "ksana_jax.models.gemma")
 
 LayerParams: TypeAlias = dict[str, jax.Array]
 Params: TypeAlias = dict[str, "jax.Array | tuple[LayerParams, ...]"]
@@ -83,14 +82,28 @@ class _Registry:
 _registry: _Registry | None = None
 
 
+def family_modules() -> list[str]:
+    """The modules of this package that declare a FAMILY, by name."""
+    package = importlib.import_module(__package__)
+    names = [f"{__package__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
+    return [name for name in sorted(names) if hasattr(importlib.import_module(name), "FAMILY")]
+
+
 def _load() -> _Registry:
     global _registry
     if _registry is None:
-        families = [importlib.import_module(m).FAMILY for m in FAMILY_MODULES]
-        _registry = _Registry(
-            {t: f for f in families for t in f.architectures},
-            {a: f for f in families for a in f.gguf_architectures},
-        )
+        tables: tuple[dict[str, Family], dict[str, Family]] = ({}, {})
+        for module in family_modules():
+            family = importlib.import_module(module).FAMILY
+            names = (family.architectures, family.gguf_architectures)
+            for table, keys in zip(tables, names, strict=True):
+                for key in keys:
+                    if key in table:
+                        raise ValueError(
+                            f"{key!r} is claimed by families {table[key].name} and {family.name}"
+                        )
+                    table[key] = family
+        _registry = _Registry(*tables)
     return _registry
 
 
