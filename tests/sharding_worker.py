@@ -97,6 +97,32 @@ def scenario_tiny(paths: list[str]) -> dict:
     return results
 
 
+def scenario_families(paths: list[str]) -> dict:
+    """Per checkpoint of another family (sliding windows, q/k norms, Gemma's extra norms):
+    tp 1 and 2 restored into shards; logits and engine greedy tokens (reference backend)."""
+    import numpy as np
+
+    import ksana_jax
+
+    results = {}
+    for path in paths:
+        runs = {}
+        for tp in (1, 2):
+            model = ksana_jax.load(path, tensor_parallel_size=tp)
+            runs[tp] = {
+                "plan": model.plan.describe(),
+                "shardings_match_plan": shardings_match_plan(model),
+                "logits": model.logits(PROMPTS[3]),
+                "tokens": greedy_engine(model, tp),
+            }
+        want = runs[1].pop("logits")
+        got = runs[2].pop("logits")
+        runs[2]["logits_max_diff"] = float(np.abs(got - want).max())
+        runs[2]["logits_max_abs"] = float(np.abs(want).max())
+        results[path] = runs
+    return results
+
+
 def scenario_recompile(paths: list[str]) -> dict:
     """tp=4: warm-up compiles every bucket, then the workload of test_engine.py's
     test_no_compilation_after_warm_up (workloads.py: sampling variants, n=2, stops,

@@ -86,6 +86,23 @@ def test_every_parameter_has_sharding_axes_and_hf_names(converted):
     assert {k: tuple(v.shape) for k, v in flat.items()} == shapes
 
 
+def test_tensor_parallel_families_match_one_device(tmp_path):
+    """Gemma 3 (q/k norms, post norms, windows) and a windowed Qwen3 split over two devices
+    by heads: same logits within float32 reordering, same greedy tokens, every parameter in
+    the sharding its family's axes give."""
+    from test_sharding import LOGITS_RTOL, run_worker
+
+    paths = []
+    for case in ("gemma3_text", "qwen3_window"):
+        write_case(tmp_path / case, case, eos_token_id=None)
+        paths.append(convert(tmp_path / case, tmp_path / f"{case}_ckpt"))
+    for path, runs in run_worker("families", *paths).items():
+        assert "split by heads" in runs["2"]["plan"], (path, runs["2"]["plan"])
+        assert runs["1"]["shardings_match_plan"] and runs["2"]["shardings_match_plan"], path
+        assert runs["2"]["tokens"] == runs["1"]["tokens"], path
+        assert runs["2"]["logits_max_diff"] <= LOGITS_RTOL * runs["2"]["logits_max_abs"], path
+
+
 # ----------------------------------------------------------------------------- Gemma 3 multimodal
 
 
