@@ -42,7 +42,15 @@ def engine_config(**fields: Any) -> EngineConfig:
 
 
 class LLM:
-    def __init__(self, model: str | Path | Model, warm_up: bool = True, **config: Any):
+    def __init__(
+        self,
+        model: str | Path | Model,
+        warm_up: bool = True,
+        revision: str | None = None,
+        **config: Any,
+    ):
+        """`model`: a Model, or anything `resolve_model` takes (a path, `demo`, a Hugging Face
+        id `org/name`, fetched at `revision`); `config`: EngineConfig fields."""
         self.config = engine_config(**config)
         if self.config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", self.config.compilation_cache_dir)
@@ -50,7 +58,7 @@ class LLM:
             model = model.with_dtype(self.config.dtype)
         else:
             model = load(
-                resolve_model(str(model)),
+                resolve_model(str(model), revision),
                 dtype=self.config.dtype,
                 tensor_parallel_size=self.config.tensor_parallel_size,
             )
