@@ -28,7 +28,9 @@ from ksana_jax.model import Model, load
 from ksana_jax.outputs import RequestOutput
 from ksana_jax.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+# Text, token ids, or vLLM's prompt dicts {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | Sequence[int] | Mapping[str, Any]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 Conversation = Sequence[Mapping[str, Any]]
 
 
@@ -84,7 +86,7 @@ class LLM:
                 f"process {jax.process_index()} follows process 0's steps: call follow()"
             )
         request_id = f"llm-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, _prompt_of(prompt), params)
         return request_id
 
     def generate(
@@ -94,7 +96,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Runs all prompts with continuous batching; outputs in the order of `prompts`."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | Mapping) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = (
             list(sampling_params)
@@ -148,3 +150,16 @@ class LLM:
                             return
         finally:
             self.engine.abort_request(request_id)
+
+
+def _prompt_of(prompt: Prompt) -> str | Sequence[int]:
+    """The text or token ids of a prompt; a vLLM prompt dict holds exactly one of them."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    given = [key for key in PROMPT_KEYS if key in prompt]
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unknown or len(given) != 1:
+        raise ValueError(
+            f"a prompt dict holds exactly one of {list(PROMPT_KEYS)}, got keys {sorted(prompt)}"
+        )
+    return prompt[given[0]]
