@@ -55,5 +55,5 @@ def resolve_model(model: str, revision: str | None = None) -> str | Path:
     if model == DEMO_NAME:
         return demo_checkpoint()
     if is_hub_id(model):
-        return hub_checkpoint(model, revision)
+        return hub_checkpoint(model, revision, cache_dir())
     return model

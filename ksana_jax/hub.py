@@ -40,16 +40,15 @@ def is_hub_id(model: str) -> bool:
     return _HUB_ID.fullmatch(model) is not None and not Path(model).exists()
 
 
-def hub_checkpoint(repo_id: str, revision: str | None = None, cache: Path | None = None) -> Path:
-    """The converted checkpoint directory of `repo_id` at `revision` (default: main).
+def hub_checkpoint(repo_id: str, revision: str | None, cache: Path) -> Path:
+    """The converted checkpoint directory of `repo_id` at `revision` (None: main), kept under
+    `cache` (the ksana-jax cache directory).
 
     Raises ValueError naming the id when it cannot be fetched (offline and not in the local
     HF cache, no such repository or revision, no access) or holds no safetensors weights.
     """
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    from ksana_jax.demo import cache_dir
 
     try:
         snapshot = Path(
@@ -77,7 +76,7 @@ def hub_checkpoint(repo_id: str, revision: str | None = None, cache: Path | None
             f"{sorted(p.name for p in snapshot.iterdir())}); ksana-jax converts safetensors only"
         )
     # The snapshot directory is named by the commit the revision resolved to.
-    out = (cache or cache_dir()) / "hub" / repo_id.replace("/", "--") / snapshot.name
+    out = cache / "hub" / repo_id.replace("/", "--") / snapshot.name
     if not (checkpoint.is_checkpoint_dir(out) and checkpoint.has_current_layout(out)):
         from checkpoints_tools import convert  # conversion lives above the engine
 
