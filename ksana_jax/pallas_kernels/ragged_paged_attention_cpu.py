@@ -38,6 +38,7 @@ from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupp
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET = "ksana_ragged_paged_attention_cpu"
 _SYMBOL = "KsanaRaggedPagedAttentionCpu"
+SUPPORTED_FEATURES = ("sliding_window", "logit_softcap")  # AttentionSpec.features()
 
 
 def _cache_dir() -> Path:
@@ -121,10 +122,10 @@ def ragged_paged_attention(
     *,
     spec: AttentionSpec,
 ) -> jax.Array:
-    """reference.ragged_paged_attention (same arguments and result) as one custom call.
+    """reference.ragged_paged_attention (same arguments and result) as one custom call;
+    with a sliding window each row streams only the positions its queries' windows cover.
     Returns: f32[T, N, H]; zeros for padding tokens."""
-    refuse_unsupported(spec, "cpu")
-    sm_scale = spec.sm_scale
+    refuse_unsupported(spec, "cpu", SUPPORTED_FEATURES)
     layer_index = jnp.asarray(layer_index, jnp.int32)
     validate_attention_args(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
     if kv.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
@@ -145,5 +146,7 @@ def ragged_paged_attention(
         page_table,
         seq_lens,
         query_starts,
-        sm_scale=np.float32(sm_scale),
+        sm_scale=np.float32(spec.sm_scale),
+        sliding_window=np.int32(spec.sliding_window or 0),
+        logit_softcap=np.float32(spec.logit_softcap or 0.0),
     )
