@@ -6,8 +6,9 @@ test_reference_attention.py; here the kernels are held to it. Every cached posit
 the window start of a row's earliest query is NaN (so pages wholly before the window are NaN
 in every slot, and the window's first page is NaN up to the window start), as is every slot
 the batch does not own: a kernel that reads such a slot and multiplies it by zero gives NaN.
-The cpu kernel also gets out-of-range page ids for pages wholly before the window (it checks
-every page id it will read, so a read there would be an error).
+The cpu kernel, and the TPU kernel under TPU interpret semantics, also get out-of-range page
+ids for pages wholly before the window: the cpu kernel checks every page id it will read and
+the TPU interpreter raises on an out-of-bounds DMA, so a read there would be an error.
 
 One bucket (T=64 tokens, S=6 rows, P=8 pages of 8) and scale 0.1 (not head_dim ** -0.5:
 Gemma's query_pre_attn_scalar) for every case, so each (backend, spec, heads) compiles once.
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from ksana_jax.pallas_kernels import (
     paged_attention_gpu,
@@ -190,3 +192,27 @@ def test_kernels_under_a_layer_scan():
 
         _, got = jax.lax.scan(body, 0, None, length=2)
         np.testing.assert_allclose(np.asarray(got[1]), want, rtol=0, atol=ATOL)
+
+
+def test_tpu_kernel_under_tpu_interpret_semantics(capsys):
+    """TPU semantics (`pltpu.InterpretParams`): uninitialised VMEM is NaN, out-of-bounds
+    reads raise, DMAs land only when waited on, races are reported -- with window blocks
+    that start mid-row and prefetch that crosses rows. Pages wholly before the window have
+    out-of-range page ids, so a DMA of one would raise."""
+    spec = SPECS["window20_softcap"]
+    attention = functools.partial(
+        ragged_paged_attention_tpu.ragged_paged_attention,
+        pages_per_block=2,
+        interpret=pltpu.InterpretParams(detect_races=True),
+    )
+    for name in ("decode_long", "mixed"):
+        rows = SCENARIOS[name]
+        args = make_batch(rows, spec, num_kv_heads=1, group=4, head_dim=32, bad_page_ids=True)
+        assert int(args[5].max()) >= NUM_PAGES
+        clean = make_batch(rows, spec, num_kv_heads=1, group=4, head_dim=32)
+        want = np.asarray(reference.ragged_paged_attention(*clean, spec=spec))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = np.asarray(attention(*args, spec=spec))
+        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL, err_msg=name)
+    assert "RACE DETECTED" not in capsys.readouterr().out
