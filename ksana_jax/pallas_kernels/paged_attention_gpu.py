@@ -70,7 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
-from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupported
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.pallas_kernels.paged_attention_gpu_launches import (
     MIN_DOT_DIM,
     Launch,
@@ -80,7 +80,6 @@ from ksana_jax.pallas_kernels.paged_attention_gpu_launches import (
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 CHUNK_PAGE_IDS = 64  # page ids the cached-key loop holds in registers at a time
-SUPPORTED_FEATURES = ("sliding_window", "logit_softcap")  # AttentionSpec.features()
 
 
 def kv_layout(
@@ -414,7 +413,6 @@ def ragged_paged_attention(
       interpret: run on CPU with Pallas's interpreter.
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
-    refuse_unsupported(spec, "pallas_gpu", SUPPORTED_FEATURES)
     layer_index = jnp.asarray(layer_index)
     _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
     num_tokens, num_heads, head_dim = q.shape

@@ -73,11 +73,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
-from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupported
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.pallas_kernels.dma_pipeline_tpu import cdiv, double_buffered_rows_loop
 
 LANES = 128  # the m/l scratch is replicated across one lane tile
-SUPPORTED_FEATURES = ("sliding_window", "logit_softcap")  # AttentionSpec.features()
 DEFAULT_TOKENS_PER_PAGE_BLOCK = 256
 
 
@@ -440,7 +439,6 @@ def ragged_paged_attention(
       interpret: True (or pltpu.InterpretParams) runs the kernel on CPU.
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
-    refuse_unsupported(spec, "pallas_tpu", SUPPORTED_FEATURES)
     layer_index = jnp.asarray(layer_index)
     if block_q is None:
         tile = max(_sublane_tile(k_new.dtype), _sublane_tile(kv.dtype))

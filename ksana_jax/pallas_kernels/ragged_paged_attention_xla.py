@@ -41,9 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
-from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupported
-
-SUPPORTED_FEATURES = ("sliding_window", "logit_softcap")  # AttentionSpec.features()
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 
 def _cast(x: jax.Array, dtype) -> jax.Array:
@@ -199,7 +197,6 @@ def ragged_paged_attention(
     step (default T // block_q + 2: one step for a batch of a few prefill chunks).
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
-    refuse_unsupported(spec, "xla", SUPPORTED_FEATURES)
     validate_attention_args(
         q, k_new, v_new, kv, jnp.asarray(layer_index), page_table, seq_lens, query_starts
     )
