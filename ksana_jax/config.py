@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -290,7 +290,9 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-ATTENTION_BACKENDS = ("auto", "reference", "cpu", "xla", "pallas_tpu", "pallas_gpu")
+AttentionBackendName = Literal["reference", "cpu", "xla", "pallas_tpu", "pallas_gpu"]
+# The one list of backend names (pallas_kernels.BACKENDS holds their objects); "auto" picks one.
+ATTENTION_BACKENDS = ("auto", *get_args(AttentionBackendName))
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = (*ENGINE_DTYPES, "float16")
 

@@ -158,7 +158,7 @@ def _decoder_layer(
     # Round through the KV dtype so this step attends to exactly what later steps will read.
     k_new, v_new = to_kv_dtype(k_new, kv.dtype), to_kv_dtype(v_new, kv.dtype)
 
-    interpret = backend in pallas_kernels.PALLAS_BACKENDS and jax.default_backend() == "cpu"
+    interpret = pallas_kernels.get_backend(backend).interpreted_here()
     write = pallas_kernels.get_layer_kv_writer(backend, interpret)
     kv = write(kv, layer_index, k_new, v_new, inputs.slot_ids)
     attn = pallas_kernels.get_attention(backend, interpret)(
