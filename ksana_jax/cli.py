@@ -20,7 +20,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from ksana_jax.config import EngineConfig
+from ksana_jax.config import ENGINE_DTYPES, EngineConfig
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +35,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("output_dir", metavar="OUTPUT_DIR", help="checkpoint directory to create")
     p.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16"],
+        choices=[d for d in ENGINE_DTYPES if d != "auto"],
         default=None,
         help="parameter dtype (default: the source's; float32 for GGUF)",
     )
@@ -84,7 +84,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--dtype",
-        choices=["auto", "float32", "bfloat16"],
+        choices=ENGINE_DTYPES,
         default="auto",
         help="parameter dtype (default: the checkpoint's)",
     )

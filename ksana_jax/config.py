@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -342,7 +342,9 @@ def gguf_common_fields(
     )
 
 
-ATTENTION_BACKENDS = ("auto", "reference", "cpu", "xla", "pallas_tpu", "pallas_gpu")
+AttentionBackendName = Literal["reference", "cpu", "xla", "pallas_tpu", "pallas_gpu"]
+# The one list of backend names (pallas_kernels.BACKENDS holds their objects); "auto" picks one.
+ATTENTION_BACKENDS = ("auto", *get_args(AttentionBackendName))
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = (*ENGINE_DTYPES, "float16")
 

@@ -2,7 +2,8 @@
 
 `demo_checkpoint()` finds the package's Q4_1 GGUF, converts it once into the user cache
 directory ($XDG_CACHE_HOME/ksana-jax, default ~/.cache/ksana-jax) and returns that checkpoint
-directory; later calls reuse it. The CLI accepts `demo` wherever it takes a MODEL.
+directory; later calls reuse it. The CLI accepts `demo` wherever it takes a MODEL, and a
+Hugging Face id `org/name` (`resolve_model`, hub.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ksana_jax import checkpoint
+from ksana_jax.hub import hub_checkpoint, is_hub_id
 
 DEMO_NAME = "demo"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,6 +49,11 @@ def demo_checkpoint() -> Path:
     return out
 
 
-def resolve_model(model: str) -> str | Path:
-    """`demo` -> the demo checkpoint; anything else unchanged."""
-    return demo_checkpoint() if model == DEMO_NAME else model
+def resolve_model(model: str, revision: str | None = None) -> str | Path:
+    """`demo` -> the demo checkpoint; a Hugging Face id `org/name` that is not a local path
+    -> its converted checkpoint (hub.py, at `revision`); anything else unchanged."""
+    if model == DEMO_NAME:
+        return demo_checkpoint()
+    if is_hub_id(model):
+        return hub_checkpoint(model, revision, cache_dir())
+    return model

@@ -14,20 +14,23 @@ request: padding tokens write their K/V there and padding rows point their page 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ksana_jax.config import ModelConfig
+from ksana_jax.config import KV_CACHE_DTYPES, ModelConfig
+
+if TYPE_CHECKING:
+    from ksana_jax.pallas_kernels import AttentionBackend
 
 SINK_PAGE = 0
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 FLOAT16_MAX = 65504.0
 
 
 def resolve_kv_dtype(
-    kv_cache_dtype: str, param_dtype: str, platform: str, backend: str | None = None
+    kv_cache_dtype: str, param_dtype: str, platform: str, backend: AttentionBackend | None = None
 ) -> str:
     """The KV array's dtype: explicit, or "auto" = the parameters' dtype, except float16 for
     bfloat16 models on CPU: XLA:CPU lowers a bfloat16 scatter by converting the whole
@@ -35,13 +38,15 @@ def resolve_kv_dtype(
     while a float16 (or float32) scatter updates the donated array in place. float16 has
     more mantissa bits than bfloat16 (10 vs 7) and half float32's bytes, which decode
     attention reads every step; K/V beyond its range (65504) are clipped (`to_kv_dtype`).
-    Not for the pallas_tpu backend (interpreted on CPU): Mosaic loads no float16 vectors.
+    Not for a `backend` that cannot read float16 (pallas_tpu, interpreted on CPU: Mosaic
+    loads no float16 vectors).
     """
-    if kv_cache_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
-    cpu_kv = platform == "cpu" and backend != "pallas_tpu"
+    reads_float16 = backend is None or "float16" in backend.kv_dtypes
+    cpu_kv = platform == "cpu" and reads_float16
     return "float16" if cpu_kv and param_dtype == "bfloat16" else param_dtype
 
 

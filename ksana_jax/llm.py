@@ -28,7 +28,9 @@ from ksana_jax.model import Model, load
 from ksana_jax.outputs import RequestOutput
 from ksana_jax.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+# Text, token ids, or vLLM's prompt dicts {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | Sequence[int] | Mapping[str, Any]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 Conversation = Sequence[Mapping[str, Any]]
 
 
@@ -42,7 +44,15 @@ def engine_config(**fields: Any) -> EngineConfig:
 
 
 class LLM:
-    def __init__(self, model: str | Path | Model, warm_up: bool = True, **config: Any):
+    def __init__(
+        self,
+        model: str | Path | Model,
+        warm_up: bool = True,
+        revision: str | None = None,
+        **config: Any,
+    ):
+        """`model`: a Model, or anything `resolve_model` takes (a path, `demo`, a Hugging Face
+        id `org/name`, fetched at `revision`); `config`: EngineConfig fields."""
         self.config = engine_config(**config)
         if self.config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", self.config.compilation_cache_dir)
@@ -50,7 +60,7 @@ class LLM:
             model = model.with_dtype(self.config.dtype)
         else:
             model = load(
-                resolve_model(str(model)),
+                resolve_model(str(model), revision),
                 dtype=self.config.dtype,
                 tensor_parallel_size=self.config.tensor_parallel_size,
             )
@@ -76,7 +86,7 @@ class LLM:
                 f"process {jax.process_index()} follows process 0's steps: call follow()"
             )
         request_id = f"llm-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, _prompt_of(prompt), params)
         return request_id
 
     def generate(
@@ -86,7 +96,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Runs all prompts with continuous batching; outputs in the order of `prompts`."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | Mapping) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = (
             list(sampling_params)
@@ -140,3 +150,16 @@ class LLM:
                             return
         finally:
             self.engine.abort_request(request_id)
+
+
+def _prompt_of(prompt: Prompt) -> str | Sequence[int]:
+    """The text or token ids of a prompt; a vLLM prompt dict holds exactly one of them."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    given = [key for key in PROMPT_KEYS if key in prompt]
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unknown or len(given) != 1:
+        raise ValueError(
+            f"a prompt dict holds exactly one of {list(PROMPT_KEYS)}, got keys {sorted(prompt)}"
+        )
+    return prompt[given[0]]

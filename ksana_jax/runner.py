@@ -33,7 +33,7 @@ from ksana_jax.kv_cache import (
 )
 from ksana_jax.model import Model
 from ksana_jax.models import registry
-from ksana_jax.pallas_kernels import LOOPS_OVER_OWN_CONTEXT, check_kv_layout, resolve_backend
+from ksana_jax.pallas_kernels import resolve_backend
 from ksana_jax.sampling import SampledTokens, SamplingInputs, sample
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.scheduler import ScheduledChunk
@@ -156,7 +156,13 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.for_model(
             model.config, self.num_pages, config.page_size, kv_dtype
         )
-        check_kv_layout(self.backend, self.kv_spec.shape, self.kv_spec.dtype)
+        self.backend.check(
+            self.kv_spec.shape,
+            self.kv_spec.dtype,
+            specs=registry.attention_specs(model.config),
+            num_heads=model.config.num_attention_heads,
+            dtype=model.dtype,
+        )
         kv_sharding = self.plan.kv_sharding(self.kv_spec.shape)
         self.step = engine_step
         if platform in PINNED_KV_PLATFORMS:
@@ -168,7 +174,7 @@ class ModelRunner:
         # the others.
         self.context_buckets = (
             config.context_buckets[-1:]
-            if self.backend in LOOPS_OVER_OWN_CONTEXT
+            if self.backend.loops_over_own_context
             else config.context_buckets
         )
         self.channel = multihost.leader_channel()  # on process 0 of several, else None
@@ -187,7 +193,7 @@ class ModelRunner:
                 inputs,
                 sampling,
                 self.config.max_logprobs,
-                self.backend,
+                self.backend.name,
             )
         return fetch(out)
 

@@ -35,7 +35,7 @@ def reference_tokens(smollm2):
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
 def test_pallas_backend_greedy_equals_reference(smollm2, reference_tokens, backend):
     llm = LLM(smollm2, warm_up=False, attention_backend=backend, **CONFIG)
-    assert llm.engine.runner.backend == backend
+    assert llm.engine.runner.backend.name == backend
     with pytest.warns(UserWarning, match="interpret mode"):
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference_tokens
@@ -50,7 +50,7 @@ def test_cpu_backends_greedy_equal_reference(smollm2, reference_tokens, backend)
 
 def test_auto_backend_is_the_cpu_kernel_on_cpu(smollm2):
     llm = LLM(smollm2, warm_up=False, **CONFIG)
-    assert llm.engine.runner.backend == "cpu"
+    assert llm.engine.runner.backend.name == "cpu"
     assert llm.engine.runner.context_buckets == (128,)  # the page-table width costs it nothing
 
 
@@ -103,7 +103,7 @@ def test_compiled_kernel_backend_greedy_equals_reference(tmp_path):
         for backend in ("reference", "auto"):
             llm = LLM(model, warm_up=False, attention_backend=backend, **CONFIG)
             outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-            tokens[llm.engine.runner.backend] = [o.outputs[0].token_ids for o in outs]
+            tokens[llm.engine.runner.backend.name] = [o.outputs[0].token_ids for o in outs]
     assert set(tokens) == {
         "reference",
         {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}[jax.default_backend()],

@@ -389,3 +389,20 @@ def test_prefix_caching_off_has_no_cache(tiny_model):
     assert llm.engine.stats.prefix_cache_queries == llm.engine.stats.prefix_cache_hits == 0
     with pytest.raises(ValueError, match="enable_prefix_caching must be a bool"):
         LLM(tiny_model, warm_up=False, enable_prefix_caching="false", **BASE)
+
+
+def test_vllm_prompt_dicts(tiny_model, reference_outputs):
+    llm = LLM(tiny_model, warm_up=False, **BASE)
+    text = " ".join(f"w{t}" for t in PROMPTS[3])
+    outs = llm.generate(
+        [{"prompt_token_ids": PROMPTS[1]}, {"prompt": text}, text], GREEDY, use_tqdm=False
+    )
+    assert_same_greedy(tiny_model, PROMPTS[1], outs[0].outputs[0].token_ids, reference_outputs[1])
+    assert outs[1].prompt_token_ids == outs[2].prompt_token_ids
+    assert outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    one = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY, use_tqdm=False)
+    assert one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    for bad in ({"prompt": text, "prompt_token_ids": PROMPTS[1]}, {"text": text}, {}):
+        with pytest.raises(ValueError, match="exactly one of"):
+            llm.generate(bad, GREEDY, use_tqdm=False)
+    assert llm.engine.pages.num_free == llm.engine.pages.num_usable

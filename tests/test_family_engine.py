@@ -3,8 +3,8 @@
 prefill whose chunk boundaries fall inside and across the sliding window, with prefix-cache
 hits and under preemption; nothing compiles after warm-up.
 
-The engine runs the `reference` attention backend, the one that implements windows and
-soft-caps today (the kernels refuse them by name until they do).
+The scenarios run on the `reference` attention backend (the oracle) and on `cpu`, the
+engine's default here; the zero-recompile check uses the default.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ TIE = 1e-4  # top-2 logit gaps below this are float noise: a batch shape may fli
 RNG = np.random.default_rng(7)
 PROMPTS = [[int(t) for t in RNG.integers(3, TINY_VOCAB, n)] for n in (2, 5, 13, 23, 31)]
 BASE = dict(
-    attention_backend="reference",
     max_model_len=64,
     page_size=4,
     max_num_seqs=8,
@@ -63,10 +62,12 @@ def assert_same_greedy(hf_model, prompt, got, want):
     assert len(got) == len(want)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_batched_greedy_equals_transformers(family, scenario):
+def test_batched_greedy_equals_transformers(family, scenario, backend):
     hf_model, model, want = family
-    llm = LLM(model, warm_up=False, **(BASE | SCENARIOS[scenario]))
+    config = BASE | SCENARIOS[scenario] | {"attention_backend": backend}
+    llm = LLM(model, warm_up=False, **config)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for prompt, out, expected in zip(PROMPTS, outs, want, strict=True):
         assert_same_greedy(hf_model, prompt, out.outputs[0].token_ids, expected)
@@ -81,7 +82,7 @@ def test_prefix_cache_hits_keep_greedy_outputs(family):
     hf_model, model, _ = family
     shared = PROMPTS[4] + PROMPTS[3][:9]  # 40 tokens: ten full pages
     prompts = [shared + p[:3] for p in PROMPTS[:3]]
-    llm = LLM(model, warm_up=False, **BASE)
+    llm = LLM(model, warm_up=False, attention_backend="reference", **BASE)
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
     hits = llm.engine.stats.prefix_cache_hits
     again = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -93,8 +94,8 @@ def test_prefix_cache_hits_keep_greedy_outputs(family):
 
 
 def test_no_compilation_after_warm_up(tmp_path):
-    """A windowed, soft-capped family: the per-layer window and caps are static, so serving
-    after warm-up compiles nothing."""
+    """A windowed, soft-capped family on the default backend: the per-layer window and caps
+    are static, so serving after warm-up compiles nothing."""
     compiles = record_compilations()
     model = ksana_jax.load(_gemma2(tmp_path))
     config = BASE | dict(max_model_len=256, context_buckets=(64, 256), num_pages=70)

@@ -26,7 +26,6 @@ on) (4); and the four kernels inside a lax.scan over layers (4).
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -553,69 +552,7 @@ def test_layouts_match_kv_cache_layout():
         assert layout.shape == spec.shape and layout.dtype == jnp.bfloat16
 
 
-# ----------------------------------------------------------------------------- registry
-
-
-def test_resolve_backend():
-    assert pallas_kernels.resolve_backend("auto", "tpu") == "pallas_tpu"
-    assert pallas_kernels.resolve_backend("auto", "gpu") == "pallas_gpu"
-    assert pallas_kernels.resolve_backend("auto", "cuda") == "pallas_gpu"
-    assert pallas_kernels.resolve_backend("auto", "cpu") == "cpu"  # the kernel builds here
-    assert pallas_kernels.resolve_backend("pallas_gpu", "cpu") == "pallas_gpu"
-    with pytest.raises(ValueError, match="XLA:CPU custom call; this is gpu"):
-        pallas_kernels.resolve_backend("cpu", "gpu")
-    with pytest.raises(ValueError, match="not one of"):
-        pallas_kernels.resolve_backend("flash", "cpu")
-    with pytest.raises(ValueError, match="no attention backend for platform"):
-        pallas_kernels.resolve_backend("auto", "metal")
-
-
-def test_resolve_backend_on_gpus_xla_compiles_no_triton_for():
-    """XLA compiles Triton only from compute capability 8.0 (Ampere): a T4 (7.5) gets the
-    reference from "auto", and a clear error for an explicit pallas_gpu."""
-    resolve = pallas_kernels.resolve_backend
-    for capability in ("8.0", "8.9", "9.0", "10.0", None, "gfx90a"):
-        assert resolve("auto", "gpu", capability) == "pallas_gpu"
-        assert resolve("pallas_gpu", "gpu", capability) == "pallas_gpu"
-    with pytest.warns(UserWarning, match=r"compute capability 7\.5.*using the reference"):
-        assert resolve("auto", "gpu", "7.5") == "reference"
-    with pytest.raises(ValueError, match=r"needs compute capability 8\.0.*this GPU has 7\.0"):
-        resolve("pallas_gpu", "cuda", "7.0")
-    assert resolve("reference", "gpu", "7.5") == "reference"
-    assert resolve("auto", "tpu", "7.5") == "pallas_tpu"  # a capability means nothing there
-
-
-def test_get_attention_and_writer():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert pallas_kernels.get_attention("reference") is reference.ragged_paged_attention
-        assert pallas_kernels.get_kv_writer("reference") is reference.write_kv_pages
-        assert pallas_kernels.get_layer_kv_writer("reference") is reference.write_layer_kv
-        # The cpu and xla backends: their own attention, the reference's KV writes, never a
-        # warning.
-        for backend, module in (
-            ("cpu", ragged_paged_attention_cpu),
-            ("xla", ragged_paged_attention_xla),
-        ):
-            assert pallas_kernels.get_attention(backend) is module.ragged_paged_attention
-            assert pallas_kernels.get_kv_writer(backend) is reference.write_kv_pages
-            assert pallas_kernels.get_layer_kv_writer(backend) is reference.write_layer_kv
-    for backend, module in (
-        ("pallas_tpu", ragged_paged_attention_tpu),
-        ("pallas_gpu", paged_attention_gpu),
-    ):
-        with pytest.warns(UserWarning, match="interpret mode"):
-            attention = pallas_kernels.get_attention(backend, interpret=True)
-        assert attention.func is module.ragged_paged_attention
-        assert attention.keywords == {"interpret": True}
-        with pytest.warns(UserWarning, match="interpret mode"):
-            writer = pallas_kernels.get_kv_writer(backend, interpret=True)
-        assert writer.keywords == {"interpret": True}
-        with pytest.warns(UserWarning, match="interpret mode"):
-            layer_writer = pallas_kernels.get_layer_kv_writer(backend, interpret=True)
-        assert layer_writer.func.__name__ == "write_layer_kv"
-    with pytest.raises(ValueError, match="resolve_backend"):
-        pallas_kernels.get_attention("auto")
+# ----------------------------------------------------------------------------- in a scan
 
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu", "cpu", "xla"])

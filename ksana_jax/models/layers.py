@@ -121,6 +121,11 @@ def attention_spec(cfg: ModelConfig, layer_index: int) -> AttentionSpec:
     )
 
 
+def attention_specs(cfg: ModelConfig) -> tuple[AttentionSpec, ...]:
+    """Every layer's AttentionSpec, in order (what a backend must support to run `cfg`)."""
+    return tuple(attention_spec(cfg, i) for i in range(cfg.num_hidden_layers))
+
+
 def paged_attention(
     cfg: ModelConfig,
     inputs: StepInputs,
@@ -141,7 +146,7 @@ def paged_attention(
     """
     # Round through the KV dtype so this step attends to exactly what later steps will read.
     k_new, v_new = to_kv_dtype(k_new, kv.dtype), to_kv_dtype(v_new, kv.dtype)
-    interpret = backend in pallas_kernels.PALLAS_BACKENDS and jax.default_backend() == "cpu"
+    interpret = pallas_kernels.get_backend(backend).interpreted_here()
     write = pallas_kernels.get_layer_kv_writer(backend, interpret)
     kv = write(kv, layer_index, k_new, v_new, inputs.slot_ids)
     out = pallas_kernels.get_attention(backend, interpret)(

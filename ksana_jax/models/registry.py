@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ksana_jax.config import ModelConfig
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.step_inputs import StepInputs
 
 LayerParams: TypeAlias = dict[str, jax.Array]
@@ -238,6 +239,14 @@ def forward(
     """One ragged step of `cfg`'s family: final hidden states f32[T, D] and the updated kv
     [L, 2, K, num_pages, page_size, H]; `backend` is the attention backend's name."""
     return family_of(cfg.model_type).forward(params, cfg, kv, inputs, backend)
+
+
+def attention_specs(cfg: ModelConfig) -> tuple[AttentionSpec, ...]:
+    """Each layer's static attention description (scale, sliding window, soft-cap), for the
+    attention backend to check when the engine is built."""
+    from ksana_jax.models.layers import attention_specs as specs  # layers imports the kernels
+
+    return specs(cfg)
 
 
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

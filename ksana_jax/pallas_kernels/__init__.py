@@ -1,4 +1,5 @@
-"""Attention kernels over the paged KV array, each beside its jnp oracle in reference.py.
+"""Attention kernels over the paged KV array, each beside its jnp oracle in reference.py, and
+the `AttentionBackend` objects that say what each set of kernels supports.
 
 Every attention backend has one signature (semantics: `reference.ragged_paged_attention`):
 
@@ -11,17 +12,25 @@ and the KV writers two (semantics: `reference.write_kv_pages`, `reference.write_
     write(kv [L, 2, K, num_pages, page_size, H], new_kv [L, 2, T, K, H], slot_ids i32[T]) -> kv
     write_layer(kv, layer_index, k_new [T, K, H], v_new [T, K, H], slot_ids i32[T]) -> kv
 
-Backends: "reference" (pure jnp, one gather of the whole context per token: the oracle),
-"cpu" (ragged_paged_attention_cpu.py/.cc: a C++ XLA FFI kernel built at first use; the CPU
-path; KV writes are the reference's), "xla" (ragged_paged_attention_xla.py: the oracle in jnp
+Backends (`BACKENDS`, keyed by config.AttentionBackendName, the one list of their names):
+"reference" (pure jnp, one gather of the whole context per token: the oracle), "cpu"
+(ragged_paged_attention_cpu.py/.cc: a C++ XLA FFI kernel built at first use; the CPU path;
+KV writes are the reference's), "xla" (ragged_paged_attention_xla.py: the oracle in jnp
 grouped by sequence, a flash-style loop over the context; the CPU path where no C++
-compiler is at hand; the reference's KV writes), "pallas_tpu"
-(ragged_paged_attention_tpu.py, write_kv_pages_tpu.py: Mosaic), "pallas_gpu"
-(paged_attention_gpu.py, write_kv_pages_gpu.py: Triton); attention_args.py checks the
-arguments for every kernel. `resolve_backend("auto", platform)` picks the backend for the
-platform. "cpu" and "xla" loop over each row's own context, so a wide page table costs them
-nothing (`LOOPS_OVER_OWN_CONTEXT`). Kernel modules are imported on first use, so importing
-this package (the model does, for the reference) does not import Pallas.
+compiler is at hand; the reference's KV writes), "pallas_tpu" (ragged_paged_attention_tpu.py,
+write_kv_pages_tpu.py: Mosaic), "pallas_gpu" (paged_attention_gpu.py, write_kv_pages_gpu.py:
+Triton); attention_args.py checks the arguments for every kernel. Every backend implements
+every AttentionSpec feature (sliding window, logit soft-cap), and with a window the kernels
+skip KV pages wholly before it.
+
+An `AttentionBackend` states what it supports -- platforms, parameter and KV dtypes, spec
+features, the KV layouts its kernels read, whether it runs on CPU only in Pallas's
+interpreter, whether it loops over each row's own context (so a wide page table costs it
+nothing) -- and `check` refuses anything else when the engine is built, before anything
+compiles. `resolve_backend("auto", platform)` picks the backend for the platform. The jitted
+step takes a backend by name (a static argument) and looks the object up with
+`get_backend`. Kernel modules are imported on first use, so importing this package (the
+model does, for the reference) does not import Pallas.
 
 Under a context mesh (`ShardingPlan.activate`), the Pallas, cpu and xla attention and the
 Pallas one-layer write run per device under `shard_map`, each on its own KV heads
@@ -32,161 +41,283 @@ partitions itself.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
+import typing
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import jax
+import numpy as np
 
+from ksana_jax.config import KV_CACHE_DTYPES, SUPPORTED_DTYPES, AttentionBackendName
 from ksana_jax.pallas_kernels import reference
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupported
 from ksana_jax.sharding import shard_over_heads
-
-BACKENDS = ("reference", "cpu", "xla", "pallas_tpu", "pallas_gpu")
-AUTO_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "cpu": "cpu"}
-PALLAS_BACKENDS = ("pallas_tpu", "pallas_gpu")  # the ones that need interpret mode on CPU
-LOOPS_OVER_OWN_CONTEXT = ("cpu", "xla")
-
-_ATTENTION_MODULES = {
-    "cpu": "ksana_jax.pallas_kernels.ragged_paged_attention_cpu",
-    "xla": "ksana_jax.pallas_kernels.ragged_paged_attention_xla",
-    "pallas_tpu": "ksana_jax.pallas_kernels.ragged_paged_attention_tpu",
-    "pallas_gpu": "ksana_jax.pallas_kernels.paged_attention_gpu",
-}
-_WRITER_MODULES = {
-    "pallas_tpu": "ksana_jax.pallas_kernels.write_kv_pages_tpu",
-    "pallas_gpu": "ksana_jax.pallas_kernels.write_kv_pages_gpu",
-}
 
 AttentionFn = Callable[..., jax.Array]
 KVWriteFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 LayerKVWriteFn = Callable[..., jax.Array]
 
+_CONCRETE_KV_DTYPES = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
+# What every backend implements today (AttentionSpec.features() names a spec's).
+_WINDOW_AND_SOFTCAP = ("sliding_window", "logit_softcap")
 
-def resolve_backend(backend: str, platform: str, compute_capability: str | None = None) -> str:
-    """Concrete backend name: "auto" becomes the kernel for `platform` (tpu -> pallas_tpu,
-    gpu/cuda -> pallas_gpu, cpu -> cpu, or xla with a warning when the cpu kernel cannot be
-    built here); a concrete name is checked and returned.
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """One set of attention kernels and what it supports (frozen: hashable).
+
+    `check` refuses a model, KV array or platform it cannot run, naming the field, when the
+    engine is built; `attention`, `kv_writer` and `layer_kv_writer` give its functions.
+    """
+
+    name: AttentionBackendName
+    attention_module: str | None  # module with ragged_paged_attention; None: the reference
+    writer_module: str | None  # module with write_kv_pages / write_layer_kv; None: reference's
+    platforms: tuple[str, ...]  # jax platforms it compiles for
+    kv_dtypes: tuple[str, ...] = _CONCRETE_KV_DTYPES  # KV array dtypes its kernels read
+    dtypes: tuple[str, ...] = SUPPORTED_DTYPES  # parameter (query) dtypes
+    features: tuple[str, ...] = _WINDOW_AND_SOFTCAP  # AttentionSpec features it implements
+    # A Pallas kernel: on CPU only Pallas's interpreter runs it (tests only: it warns).
+    interpret_on_cpu: bool = False
+    # Loops over each row's own context: a wide page table (context bucket) costs nothing.
+    loops_over_own_context: bool = False
+    min_cuda_capability: int | None = None  # major CUDA compute capability it needs
+
+    def __str__(self) -> str:
+        return self.name
+
+    def _module(self, module: str | None, interpret: bool):
+        if module is None:
+            return None
+        if interpret and self.interpret_on_cpu:
+            warnings.warn(
+                f"attention backend {self.name!r} runs in Pallas interpret mode: for testing "
+                "only, far slower than the reference backend",
+                stacklevel=4,
+            )
+        return importlib.import_module(module)
+
+    def interpreted_here(self) -> bool:
+        """Whether its kernels must run in Pallas's interpreter on jax's default platform."""
+        return self.interpret_on_cpu and jax.default_backend() == "cpu"
+
+    def attention(self, interpret: bool = False) -> AttentionFn:
+        """The attention function; `interpret=True` runs a Pallas kernel on CPU."""
+        module = self._module(self.attention_module, interpret)
+        if module is None:
+            return reference.ragged_paged_attention
+        kernel = module.ragged_paged_attention
+        if self.interpret_on_cpu:
+            kernel = functools.partial(kernel, interpret=interpret)
+        return shard_over_heads(kernel, "attention")
+
+    def kv_writer(self, interpret: bool = False) -> KVWriteFn:
+        """The every-layer KV write; the Pallas ones alias the KV array to their output, so
+        under a donating jit they update it in place."""
+        module = self._module(self.writer_module, interpret)
+        if module is None:
+            return reference.write_kv_pages
+        return functools.partial(module.write_kv_pages, interpret=interpret)
+
+    def layer_kv_writer(self, interpret: bool = False) -> LayerKVWriteFn:
+        """The one-layer KV write (`reference.write_layer_kv`'s signature)."""
+        module = self._module(self.writer_module, interpret)
+        if module is None:
+            return reference.write_layer_kv
+        kernel = functools.partial(module.write_layer_kv, interpret=interpret)
+        return shard_over_heads(kernel, "write_layer")
+
+    def check(
+        self,
+        kv_shape: tuple[int, ...],
+        kv_dtype,
+        *,
+        specs: Iterable[AttentionSpec] = (),
+        num_heads: int | None = None,
+        dtype=None,
+    ) -> None:
+        """Raises ValueError naming what this backend cannot run -- the KV dtype, the KV
+        layout [L, 2, K, num_pages, page_size, H] (Mosaic's tiling rules for pallas_tpu, a
+        power-of-two head_dim for pallas_gpu), the cpu kernel's head limits for `num_heads`
+        query heads, a feature of one of the layers' attention `specs`, or the parameter
+        `dtype` -- before anything compiles."""
+        for spec in dict.fromkeys(specs):
+            refuse_unsupported(spec, self.name, self.features)
+        if dtype is not None and np.dtype(dtype).name not in self.dtypes:
+            raise ValueError(
+                f"attention_backend={self.name!r} takes dtype {self.dtypes}, got {dtype}"
+            )
+        self._check_kernel_layout(kv_shape, kv_dtype, num_heads)  # the kernels' own reasons
+        kv_name = np.dtype(kv_dtype).name
+        if kv_name not in self.kv_dtypes:
+            raise ValueError(
+                f"attention_backend={self.name!r} cannot read a {kv_name} KV cache; "
+                f"kv_cache_dtype may be one of {self.kv_dtypes}"
+            )
+
+    def _check_kernel_layout(self, kv_shape, kv_dtype, num_heads) -> None:
+        """The kernel module's own checks: `kv_layout` (the KV layout it reads) and
+        `check_heads`, where it defines them."""
+        if self.attention_module is None:
+            return
+        module = importlib.import_module(self.attention_module)
+        num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv_shape
+        try:
+            if hasattr(module, "kv_layout"):
+                module.kv_layout(
+                    num_layers=num_layers,
+                    num_kv_heads=num_kv_heads,
+                    num_pages=num_pages,
+                    page_size=page_size,
+                    head_dim=head_dim,
+                    dtype=kv_dtype,
+                )
+            if num_heads is not None and hasattr(module, "check_heads"):
+                module.check_heads(num_heads, num_kv_heads, head_dim)
+        except ValueError as e:
+            raise ValueError(
+                f"attention_backend={self.name!r} cannot run this model: {e}"
+            ) from None
+
+    def check_platform(self, platform: str, compute_capability: str | None = None) -> None:
+        """Raises ValueError if this backend cannot compile for `platform` (a Pallas backend
+        on "cpu" runs interpreted, for tests) or for a CUDA GPU of `compute_capability`."""
+        allowed = self.platforms + (("cpu",) if self.interpret_on_cpu else ())
+        if platform not in allowed:
+            raise ValueError(
+                f"attention backend {self.name!r} runs on {self.platforms}; this is {platform}"
+            )
+        major = _cuda_major(compute_capability) if platform in ("gpu", "cuda") else None
+        needed = self.min_cuda_capability
+        if needed is not None and major is not None and major < needed:
+            raise ValueError(
+                f"attention backend {self.name!r} needs compute capability {needed}.0 or "
+                f"newer: XLA compiles Triton kernels only there, and this GPU has "
+                f"{compute_capability}; use 'reference' (or 'auto')"
+            )
+
+
+_KERNELS = "ksana_jax.pallas_kernels."
+_ALL_PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
+BACKENDS: dict[str, AttentionBackend] = {
+    b.name: b
+    for b in (
+        AttentionBackend("reference", None, None, _ALL_PLATFORMS),
+        AttentionBackend(
+            "cpu",
+            _KERNELS + "ragged_paged_attention_cpu",
+            None,
+            ("cpu",),
+            loops_over_own_context=True,
+        ),
+        AttentionBackend(
+            "xla",
+            _KERNELS + "ragged_paged_attention_xla",
+            None,
+            _ALL_PLATFORMS,
+            loops_over_own_context=True,
+        ),
+        AttentionBackend(
+            "pallas_tpu",
+            _KERNELS + "ragged_paged_attention_tpu",
+            _KERNELS + "write_kv_pages_tpu",
+            ("tpu",),
+            kv_dtypes=("float32", "bfloat16"),  # Mosaic loads no float16 vectors
+            interpret_on_cpu=True,
+        ),
+        AttentionBackend(
+            "pallas_gpu",
+            _KERNELS + "paged_attention_gpu",
+            _KERNELS + "write_kv_pages_gpu",
+            ("gpu", "cuda", "rocm"),
+            interpret_on_cpu=True,
+            min_cuda_capability=8,  # XLA compiles Triton from Ampere on
+        ),
+    )
+}
+assert tuple(BACKENDS) == typing.get_args(AttentionBackendName)
+AUTO_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "cpu": "cpu"}
+# Derived, for callers that test a name: the backends that need interpret mode on CPU.
+PALLAS_BACKENDS = tuple(name for name, b in BACKENDS.items() if b.interpret_on_cpu)
+
+
+def get_backend(backend: str | AttentionBackend) -> AttentionBackend:
+    """The backend object of a concrete name ("auto" is resolved first, by resolve_backend)."""
+    if isinstance(backend, AttentionBackend):
+        return backend
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"attention backend {backend!r} is not one of {tuple(BACKENDS)} "
+            '("auto" is resolved first, with resolve_backend(backend, platform))'
+        )
+    return BACKENDS[backend]
+
+
+def resolve_backend(
+    backend: str, platform: str, compute_capability: str | None = None
+) -> AttentionBackend:
+    """The backend for a configured name: "auto" becomes the kernel for `platform` (tpu ->
+    pallas_tpu, gpu/cuda -> pallas_gpu, cpu -> cpu, or xla with a warning when the cpu kernel
+    cannot be built here); a concrete name is checked against the platform and returned.
 
     `compute_capability` is the GPU's (jax's `device.compute_capability`, e.g. "7.5"). XLA
     compiles Triton, and so the pallas_gpu kernels, only from Ampere (8.0) on: on an older
     CUDA GPU (a T4, Colab's commonest) "auto" is "reference" with a warning, and an explicit
     "pallas_gpu" is a ValueError rather than a compile error at the first step.
     """
-    before_ampere = platform in ("gpu", "cuda") and _cuda_before_ampere(compute_capability)
-    if backend == "auto":
-        if platform not in AUTO_BACKEND:
-            raise ValueError(
-                f"no attention backend for platform {platform!r}; known: {sorted(AUTO_BACKEND)}"
-            )
-        backend = AUTO_BACKEND[platform]
-        if backend == "cpu" and not _cpu_kernel().available():
-            warnings.warn(
-                "the cpu attention kernel could not be built (no C++ compiler? see "
-                "ragged_paged_attention_cpu.py); using the slower xla backend",
-                stacklevel=2,
-            )
-            return "xla"
-        if backend == "pallas_gpu" and before_ampere:
-            warnings.warn(
-                f"this GPU has compute capability {compute_capability}; XLA compiles the "
-                "pallas_gpu (Triton) kernels only from 8.0 (Ampere) on: using the reference "
-                "attention backend",
-                stacklevel=2,
-            )
-            return "reference"
-        return backend
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is not one of {('auto', *BACKENDS)}")
-    if backend == "cpu" and platform != "cpu":
-        raise ValueError(f"attention backend 'cpu' is an XLA:CPU custom call; this is {platform}")
-    if backend == "pallas_gpu" and before_ampere:
+    if backend != "auto":
+        if backend not in BACKENDS:
+            raise ValueError(f"attention backend {backend!r} is not one of {('auto', *BACKENDS)}")
+        BACKENDS[backend].check_platform(platform, compute_capability)
+        return BACKENDS[backend]
+    if platform not in AUTO_BACKEND:
         raise ValueError(
-            f"attention backend 'pallas_gpu' needs compute capability 8.0 (Ampere) or newer: "
-            f"XLA compiles Triton kernels only there, and this GPU has {compute_capability}; "
-            "use 'reference' (or 'auto')"
+            f"no attention backend for platform {platform!r}; known: {sorted(AUTO_BACKEND)}"
         )
-    return backend
-
-
-def _cuda_before_ampere(compute_capability: str | None) -> bool:
-    """True for an NVIDIA compute capability below 8.0 ("7.5"); False for None or anything
-    that is not one (a ROCm "gfx90a")."""
-    try:
-        return int(str(compute_capability).split(".")[0]) < 8
-    except ValueError:
-        return False
-
-
-def _cpu_kernel():
-    return importlib.import_module(_ATTENTION_MODULES["cpu"])
-
-
-def check_kv_layout(backend: str, shape: tuple[int, ...], dtype) -> None:
-    """Raises ValueError naming the field if `backend`'s kernels cannot read a KV array of
-    this shape [L, 2, K, num_pages, page_size, H] and dtype (Mosaic's tiling rules for
-    pallas_tpu, a power-of-two head_dim for pallas_gpu) -- before anything compiles. The
-    jnp backends read any layout."""
-    if backend not in PALLAS_BACKENDS:
-        return
-    module = importlib.import_module(_ATTENTION_MODULES[backend])
-    num_layers, _, num_kv_heads, num_pages, page_size, head_dim = shape
-    try:
-        module.kv_layout(
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            num_pages=num_pages,
-            page_size=page_size,
-            head_dim=head_dim,
-            dtype=dtype,
-        )
-    except ValueError as e:
-        raise ValueError(f"attention_backend={backend!r} cannot run this model: {e}") from None
-
-
-def _kernel_module(backend: str, modules: dict[str, str], interpret: bool):
-    if backend not in BACKENDS:
-        raise ValueError(
-            f"attention backend {backend!r} is not one of {BACKENDS} "
-            '("auto" is resolved first, with resolve_backend(backend, platform))'
-        )
-    if backend not in modules:  # the reference, or the cpu and xla backends' KV writers
-        return None
-    if interpret and backend in PALLAS_BACKENDS:
+    chosen = BACKENDS[AUTO_BACKEND[platform]]
+    if chosen.name == "cpu" and not importlib.import_module(chosen.attention_module).available():
         warnings.warn(
-            f"attention backend {backend!r} runs in Pallas interpret mode: for testing only, "
-            "far slower than the reference backend",
-            stacklevel=3,
+            "the cpu attention kernel could not be built (no C++ compiler? see "
+            "ragged_paged_attention_cpu.py); using the slower xla backend",
+            stacklevel=2,
         )
-    return importlib.import_module(modules[backend])
+        return BACKENDS["xla"]
+    try:
+        chosen.check_platform(platform, compute_capability)
+    except ValueError:
+        warnings.warn(
+            f"this GPU has compute capability {compute_capability}; XLA compiles the "
+            "pallas_gpu (Triton) kernels only from 8.0 (Ampere) on: using the reference "
+            "attention backend",
+            stacklevel=2,
+        )
+        return BACKENDS["reference"]
+    return chosen
 
 
-def get_attention(backend: str, interpret: bool = False) -> AttentionFn:
-    """The attention function of `backend` ("reference" | "cpu" | "xla" | "pallas_tpu" |
-    "pallas_gpu"); `interpret=True` runs a Pallas kernel on CPU (tests only; it warns)."""
-    module = _kernel_module(backend, _ATTENTION_MODULES, interpret)
-    if module is None:
-        return reference.ragged_paged_attention
-    kernel = module.ragged_paged_attention
-    if backend in PALLAS_BACKENDS:
-        kernel = functools.partial(kernel, interpret=interpret)
-    return shard_over_heads(kernel, "attention")
+def _cuda_major(compute_capability: str | None) -> int | None:
+    """The major version of an NVIDIA compute capability ("7.5" -> 7); None for None or
+    anything that is not one (a ROCm "gfx90a")."""
+    try:
+        return int(str(compute_capability).split(".")[0])
+    except ValueError:
+        return None
 
 
-def get_kv_writer(backend: str, interpret: bool = False) -> KVWriteFn:
-    """The KV write of `backend` (same names as get_attention); the Pallas ones alias the KV
-    array to their output, so under a donating jit they update it in place."""
-    module = _kernel_module(backend, _WRITER_MODULES, interpret)
-    if module is None:
-        return reference.write_kv_pages
-    return functools.partial(module.write_kv_pages, interpret=interpret)
+# The call shapes models use: by backend name (or object).
+def get_attention(backend: str | AttentionBackend, interpret: bool = False) -> AttentionFn:
+    """`get_backend(backend).attention(interpret)`."""
+    return get_backend(backend).attention(interpret)
 
 
-def get_layer_kv_writer(backend: str, interpret: bool = False) -> LayerKVWriteFn:
-    """The one-layer KV write of `backend` (`reference.write_layer_kv`'s signature); the
-    Pallas ones alias the KV array to their output, like get_kv_writer's."""
-    module = _kernel_module(backend, _WRITER_MODULES, interpret)
-    if module is None:
-        return reference.write_layer_kv
-    kernel = functools.partial(module.write_layer_kv, interpret=interpret)
-    return shard_over_heads(kernel, "write_layer")
+def get_kv_writer(backend: str | AttentionBackend, interpret: bool = False) -> KVWriteFn:
+    """`get_backend(backend).kv_writer(interpret)`."""
+    return get_backend(backend).kv_writer(interpret)
+
+
+def get_layer_kv_writer(backend: str | AttentionBackend, interpret: bool = False) -> LayerKVWriteFn:
+    """`get_backend(backend).layer_kv_writer(interpret)`."""
+    return get_backend(backend).layer_kv_writer(interpret)

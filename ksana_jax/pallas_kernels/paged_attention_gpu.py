@@ -39,6 +39,11 @@ What each program loads, block by block (`block_k` keys):
     pipeliner keeps the next block's copies in flight (num_stages >= 3);
   - new keys/values: tokens from the row's first new token up to the tile's last token,
     masked causally (key token <= query token).
+With a sliding window W (spec.sliding_window) both start at the window start of the tile's
+first query (position - W + 1; the cached keys from the key block holding it), and the key
+splits divide that span (< W + block_k keys) rather than the page table: decode over a long
+context reads about W positions a row, and keys before the window are masked loads, never
+read. Scores are soft-capped (c * tanh(s / c)) before the mask when the spec asks.
 Online-softmax state in registers, f32: running max m [M], denominator l [M],
 unnormalised output acc [M, H]. Masking selects (-inf scores, zero-filled loads), never
 multiplies. Each split writes (acc, m, l); the wrapper merges splits with the usual
@@ -65,7 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
-from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupported
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.pallas_kernels.paged_attention_gpu_launches import (
     MIN_DOT_DIM,
     Launch,
@@ -117,13 +122,17 @@ def _dot_precision(dot_dtype, interpret: bool):
     return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
-def _online_softmax_update(state, q, k, v, visible, *, sm_scale, dot_dtype, precision):
+def _online_softmax_update(state, q, k, v, visible, *, spec, dot_dtype, precision):
     """Folds one key block into (acc f32[M, H], m f32[M], l f32[M]).
 
-    q [M, H]; k, v [block_k, H] with masked-out rows already zero; visible bool[M, block_k].
+    q [M, H]; k, v [block_k, H] with masked-out rows already zero; visible bool[M, block_k];
+    spec: the scale and soft-cap.
     """
     acc, m_prev, l_prev = state
-    scores = jnp.where(visible, _dot(q, k, dot_dtype, precision, 1) * sm_scale, -jnp.inf)
+    scores = _dot(q, k, dot_dtype, precision, 1) * spec.sm_scale
+    if spec.logit_softcap is not None:
+        scores = spec.logit_softcap * jnp.tanh(scores / spec.logit_softcap)
+    scores = jnp.where(visible, scores, -jnp.inf)
     m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1))
     # Rows that have seen nothing keep m = -inf; shift them by 0 so exp gives 0, not NaN.
     m_shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
@@ -134,10 +143,12 @@ def _online_softmax_update(state, q, k, v, visible, *, sm_scale, dot_dtype, prec
 
 
 def _attend_cached_keys(
-    state, q, kv_ref, page_table_ref, where, key_range, update, block_k, chunking
+    state, q, kv_ref, page_table_ref, where, key_range, window, update, block_k, chunking
 ):
     """Phase 1: keys [lo, hi) of the row's cached context, gathered block by block from the
-    pages. where = (layer, kv_head, row); masked-off slots are never read.
+    pages. where = (layer, kv_head, row); masked-off slots are never read. window =
+    (first, query_lo): no key before `first` is read, and query row i sees keys from
+    query_lo[i] (i32[M]) on; None without a sliding window.
 
     The keys go in chunks (`chunking` = keys and page ids per chunk, from `_chunking`). A
     chunk's page ids are loaded once, before its block loop, and each block picks its own
@@ -165,6 +176,8 @@ def _attend_cached_keys(
         def block(b, state):
             positions = start + b * block_k + jnp.arange(block_k, dtype=jnp.int32)
             valid = positions < hi
+            if window is not None:
+                valid &= positions >= window[0]
             local = lax.div(positions, page_size) - first_page
             picked = local[:, None] == page_lanes[None, :]
             pages = jnp.sum(jnp.where(picked, chunk_page_ids[None, :], 0), axis=1)
@@ -174,6 +187,8 @@ def _attend_cached_keys(
             k = plgpu.load(kv_ref.at[(layer, 0, kv_head, *slot)], mask=mask, other=0.0)
             v = plgpu.load(kv_ref.at[(layer, 1, kv_head, *slot)], mask=mask, other=0.0)
             visible = jnp.broadcast_to(valid[None, :], (q.shape[0], block_k))
+            if window is not None:
+                visible &= positions[None, :] >= window[1][:, None]
             return update(state, q, k, v, visible)
 
         keys = jnp.clip(hi - start, 0, chunk_keys)
@@ -196,9 +211,12 @@ def _chunking(block_k: int, page_size: int, page_ids: int) -> tuple[int, int]:
     return chunk_keys, next_pow2(-(-chunk_keys // page_size) + extra)
 
 
-def _attend_new_keys(state, q, k_new_ref, v_new_ref, kv_head, key_range, q_tokens, update, block_k):
-    """Phase 2: the step's new keys [row_start, end) of the row, causal against the query
-    token of each row of q (q_tokens i32[M])."""
+def _attend_new_keys(
+    state, q, k_new_ref, v_new_ref, kv_head, key_range, q_tokens, update, block_k, sliding_window
+):
+    """Phase 2: the step's new keys [row_start, end) of the row (row_start: the first the
+    tile's window reaches), causal against the query token of each row of q (q_tokens
+    i32[M]) and within its `sliding_window` (None: no window)."""
     row_start, end = key_range
 
     def block(b, state):
@@ -208,6 +226,8 @@ def _attend_new_keys(state, q, k_new_ref, v_new_ref, kv_head, key_range, q_token
         k = plgpu.load(k_new_ref.at[window, kv_head], mask=valid[:, None], other=0.0)
         v = plgpu.load(v_new_ref.at[window, kv_head], mask=valid[:, None], other=0.0)
         visible = valid[None, :] & (keys[None, :] <= q_tokens[:, None])
+        if sliding_window is not None:
+            visible &= keys[None, :] > q_tokens[:, None] - sliding_window
         return update(state, q, k, v, visible)
 
     num_blocks = lax.div(jnp.maximum(end - row_start, 0) + block_k - 1, block_k)
@@ -231,7 +251,7 @@ def _attention_kernel(
     m_ref,  # f32[splits, T, K, G_pad]
     l_ref,  # f32[splits, T, K, G_pad]
     *,
-    sm_scale: float,
+    spec: AttentionSpec,
     block_q: int,
     block_k: int,
     keys_per_split: int,
@@ -244,8 +264,9 @@ def _attention_kernel(
     rows_m = block_q * group_pad
     row = tile_rows_ref[tile]
     update = functools.partial(
-        _online_softmax_update, sm_scale=sm_scale, dot_dtype=dot_dtype, precision=precision
+        _online_softmax_update, spec=spec, dot_dtype=dot_dtype, precision=precision
     )
+    window = spec.sliding_window
 
     @pl.when(row >= 0)
     def _():
@@ -263,19 +284,50 @@ def _attention_kernel(
             jnp.full((rows_m,), -jnp.inf, jnp.float32),
             jnp.zeros((rows_m,), jnp.float32),
         )
-        # ---- phase 1: this split's slice of the cached context.
-        lo = split * keys_per_split
+        # ---- phase 1: this split's slice of the cached context: of [0, cached), or with a
+        # window of [first, cached), first = the window start of the tile's first query
+        # (rounded down to a key block, so chunks start on blocks; keys before it are masked).
+        q_pos = num_cached + q_tokens - row_start  # [M]
+        first = base = 0
+        cached_window = None
+        if window is not None:
+            first = jnp.maximum(0, num_cached + tile_start - row_start - window + 1)
+            base = first - lax.rem(first, block_k)
+            cached_window = (first, q_pos - window + 1)
+        lo = base + split * keys_per_split
         hi = jnp.minimum(num_cached, lo + keys_per_split)
         where = (layer_ref[0], kv_head, row)
         chunking = _chunking(block_k, kv_ref.shape[4], page_ids_per_chunk)
         state = _attend_cached_keys(
-            state, q, kv_ref, page_table_ref, where, (lo, hi), update, block_k, chunking
+            state,
+            q,
+            kv_ref,
+            page_table_ref,
+            where,
+            (lo, hi),
+            cached_window,
+            update,
+            block_k,
+            chunking,
         )
-        # ---- phase 2 (last split only): new keys up to the tile's last token.
+        # ---- phase 2 (last split only): new keys up to the tile's last token, from the
+        # first one the tile's window reaches.
         is_last_split = split == pl.num_programs(2) - 1
         end = jnp.where(is_last_split, jnp.minimum(row_end, tile_start + block_q), row_start)
+        first_new = row_start
+        if window is not None:
+            first_new = jnp.maximum(row_start, tile_start - window + 1)
         acc, m, denom = _attend_new_keys(
-            state, q, k_new_ref, v_new_ref, kv_head, (row_start, end), q_tokens, update, block_k
+            state,
+            q,
+            k_new_ref,
+            v_new_ref,
+            kv_head,
+            (first_new, end),
+            q_tokens,
+            update,
+            block_k,
+            window,
         )
         # ---- phase 3: store this split's partial state for the tile's real tokens.
         out = (split, pl.ds(tile_start, block_q), kv_head)
@@ -361,8 +413,6 @@ def ragged_paged_attention(
       interpret: run on CPU with Pallas's interpreter.
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
-    refuse_unsupported(spec, "pallas_gpu")
-    sm_scale = spec.sm_scale
     layer_index = jnp.asarray(layer_index)
     _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
     num_tokens, num_heads, head_dim = q.shape
@@ -380,6 +430,7 @@ def ragged_paged_attention(
         num_kv_splits=num_kv_splits,
         num_warps=num_warps,
         num_stages=num_stages,
+        sliding_window=spec.sliding_window,
     )
     block_q, block_k, num_kv_splits, _, _ = plan[-1].tuning
     if block_q & (block_q - 1) or block_q * group_pad < MIN_DOT_DIM:
@@ -391,7 +442,12 @@ def ragged_paged_attention(
         raise ValueError(f"block_k={block_k} must be a power of two >= {MIN_DOT_DIM}")
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
-    keys_per_split = -(-(max_pages * page_size) // num_kv_splits)
+    # The cached keys a tile reads: the whole page table, or with a window W at most W - 1
+    # from its first query's window start, rounded down to a key block (< W + block_k).
+    span = max_pages * page_size
+    if spec.sliding_window is not None:
+        span = min(span, spec.sliding_window + block_k)
+    keys_per_split = -(-span // num_kv_splits)
     keys_per_split = -(-keys_per_split // block_k) * block_k
     if page_ids_per_chunk < 4 or page_ids_per_chunk & (page_ids_per_chunk - 1):
         raise ValueError(f"page_ids_per_chunk={page_ids_per_chunk} must be a power of two >= 4")
@@ -402,7 +458,7 @@ def ragged_paged_attention(
     before_tiles = (layer_index.reshape(1), page_table, seq_lens, query_starts)
     inputs = before_tiles, (q_groups, k_new, v_new, kv)  # the kernel's, around the tiles
     params = dict(
-        sm_scale=sm_scale,
+        spec=spec,
         keys_per_split=keys_per_split,
         page_ids_per_chunk=page_ids_per_chunk,
         dot_dtype=dot_dtype,

@@ -99,6 +99,7 @@ def resolve_tuning(
     num_kv_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    sliding_window: int | None = None,
 ) -> Tuning:
     """The launch for a batch of these shapes: what the caller names, defaults for the rest.
 
@@ -128,6 +129,8 @@ def resolve_tuning(
       - past head dim 128 the key block and the tile rows shrink in proportion (head dim
         256: 32-key blocks and 64-row tiles for 16-bit KV, 16 and 16 for float32); at the
         128-wide sizes a 256-wide head took 138-192 KB of shared memory.
+    With a `sliding_window` W the key splits divide the window's span (W + block_k keys)
+    instead of the page table's.
     """
     num_tokens, num_heads, head_dim = q_shape
     num_kv_heads, page_size = kv_shape[2], kv_shape[4]
@@ -141,11 +144,11 @@ def resolve_tuning(
         base = 32 if wide else 64
         block_k = max(MIN_DOT_DIM, min(base, base * 128 // head_dim))
     if num_kv_splits is None:
+        max_context = max_pages * page_size
+        if sliding_window is not None:
+            max_context = min(max_context, sliding_window + block_k)
         num_kv_splits = default_num_kv_splits(
-            num_query_tiles(num_tokens, num_seqs, block_q),
-            num_kv_heads,
-            max_pages * page_size,
-            block_k,
+            num_query_tiles(num_tokens, num_seqs, block_q), num_kv_heads, max_context, block_k
         )
     rows = block_q * next_pow2(group)
     if wide:

@@ -12,13 +12,17 @@
 //   phase 2  scores: one dot product per (query, key) for decode items, or, from
 //            kTransposeFrom queries on (prefill), the tile's keys transposed and scored
 //            kScoreBlock queries at a time;
-//   phase 3  online softmax in float32 (running max, denominator, weighted value sum per
-//            query), rescaled tile by tile as in flash attention.
+//   phase 3  optional soft-cap (cap * tanh(s / cap)), then online softmax in float32
+//            (running max, denominator, weighted value sum per query), rescaled tile by
+//            tile as in flash attention.
 //
 // Position p of row s comes from the pages (through the page table) when p < num_cached,
-// and from k_new / v_new when it is one of the step's own tokens; a query sees positions
-// up to its own. Nothing past a row's last query is ever read, so NaN there is harmless.
-// Every row's page ids, cached length and query offsets are checked before anything is
+// and from k_new / v_new when it is one of the step's own tokens; a query at position q
+// sees positions up to its own, and with a sliding window W only those > q - W. An item
+// streams positions from the window start of its earliest query (0 without a window) to
+// its latest query: nothing outside that range is ever read (pages wholly before the
+// window are skipped, not masked), so NaN there is harmless. Every row's page ids (from its
+// first window page on), cached length and query offsets are checked before anything is
 // read.
 
 #include <algorithm>
@@ -140,10 +144,13 @@ struct Problem {
   float* out;                   // [T, N, H]
   int64_t num_tokens, num_heads, num_kv_heads, head_dim, num_pages, page_size, pages_per_seq;
   float sm_scale;
+  int32_t sliding_window;  // W, or 0 for none
+  float logit_softcap;     // c, or 0 for none
 };
 
 struct Item {
   int32_t row, kv_head, first, count;  // new tokens first .. first + count - 1 of the row
+  int32_t lo;                          // the earliest position it reads (window start)
   int32_t last;                        // the latest position it reads
 };
 
@@ -180,7 +187,7 @@ void attend(const Problem& pb, const Item& item) {
   float* values = keys + kTile * H;         // [kTile, H]
   float* keys_t = values + kTile * H;       // [H, kTile]
   float running_max[kMaxQueries], denominator[kMaxQueries];
-  int32_t query_pos[kMaxQueries];
+  int32_t query_pos[kMaxQueries], query_lo[kMaxQueries];  // sees positions lo .. pos
 
   for (int i = 0; i < num_queries; ++i) {
     const int64_t token = start + item.first + i / group;
@@ -191,6 +198,7 @@ void attend(const Problem& pb, const Item& item) {
     running_max[i] = -INFINITY;
     denominator[i] = 0.0f;
     query_pos[i] = num_cached + item.first + i / group;
+    query_lo[i] = pb.sliding_window > 0 ? std::max(0, query_pos[i] - pb.sliding_window + 1) : 0;
   }
   const int32_t last = item.last;
 
@@ -206,15 +214,19 @@ void attend(const Problem& pb, const Item& item) {
     return base + ((token * K + item.kv_head) * H) * pb.itemsize;
   };
 
-  // Online softmax and value update of query i with the raw scores p[0, visible) of the
-  // tile's first `visible` positions (the ones it sees).
-  auto absorb = [&](int i, float* p, int visible) {
+  // Soft-cap, online softmax and value update of query i with the scaled scores
+  // p[from, to) of the tile positions it sees.
+  const float cap = pb.logit_softcap;
+  auto absorb = [&](int i, float* p, int from, int to) {
+    if (cap > 0.0f) {
+      for (int j = from; j < to; ++j) p[j] = cap * std::tanh(p[j] / cap);
+    }
     float new_max = running_max[i];
-    for (int j = 0; j < visible; ++j) new_max = std::max(new_max, p[j]);
+    for (int j = from; j < to; ++j) new_max = std::max(new_max, p[j]);
     const float rescale = exp_nonpositive(running_max[i] - new_max);  // ~0 at the first tile
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < visible; ++j) {
+    for (int j = from; j < to; ++j) {
       p[j] = exp_nonpositive(p[j] - new_max);
       sum += p[j];
     }
@@ -223,7 +235,7 @@ void attend(const Problem& pb, const Item& item) {
     float* a = acc + i * H;
 #pragma omp simd
     for (int64_t h = 0; h < H; ++h) a[h] *= rescale;
-    for (int j = 0; j < visible; ++j) {
+    for (int j = from; j < to; ++j) {
       const float pj = p[j];
       const float* vj = values + j * H;
 #pragma omp simd
@@ -236,7 +248,13 @@ void attend(const Problem& pb, const Item& item) {
   // kScoreBlock FMAs; decode items (a few queries) take one dot product per key, which
   // skips the transpose.
   const bool transposed = num_queries >= kTransposeFrom;
-  for (int32_t tile_start = 0; tile_start <= last; tile_start += kTile) {
+  // Positions of the tile that query i sees: [from, to), empty when from >= to.
+  auto seen = [&](int i, int32_t tile_start, int width, int* from, int* to) {
+    *from = std::max(0, query_lo[i] - tile_start);
+    *to = std::min(width, query_pos[i] - tile_start + 1);
+    return *from < *to;
+  };
+  for (int32_t tile_start = item.lo; tile_start <= last; tile_start += kTile) {
     const int width = std::min<int32_t>(kTile, last + 1 - tile_start);
     // Phase 1: this tile's keys and values, in float32.
     for (int j = 0; j < width; ++j) {
@@ -246,18 +264,18 @@ void attend(const Problem& pb, const Item& item) {
     // Phase 2: scores, then phase 3: absorb them.
     if (!transposed) {
       for (int i = 0; i < num_queries; ++i) {
-        const int visible = std::min(width, query_pos[i] - tile_start + 1);
-        if (visible <= 0) continue;  // a later tile than this query sees
+        int from, to;
+        if (!seen(i, tile_start, width, &from, &to)) continue;  // a tile it does not see
         const float* qi = queries + i * H;
         float scores[kTile];
-        for (int j = 0; j < visible; ++j) {
+        for (int j = from; j < to; ++j) {
           const float* kj = keys + j * H;
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t h = 0; h < H; ++h) dot += qi[h] * kj[h];
           scores[j] = dot;
         }
-        absorb(i, scores, visible);
+        absorb(i, scores, from, to);
       }
       continue;
     }
@@ -276,8 +294,8 @@ void attend(const Problem& pb, const Item& item) {
         }
       }
       for (int r = 0; r < rows; ++r) {
-        const int visible = std::min(width, query_pos[block + r] - tile_start + 1);
-        if (visible > 0) absorb(block + r, scores[r], visible);
+        int from, to;
+        if (seen(block + r, tile_start, width, &from, &to)) absorb(block + r, scores[r], from, to);
       }
     }
   }
@@ -335,7 +353,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
                      ffi::AnyBuffer v_new, ffi::AnyBuffer kv,
                      ffi::Buffer<ffi::S32> layer_index, ffi::Buffer<ffi::S32> page_table,
                      ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_starts,
-                     ffi::ResultBuffer<ffi::F32> out, float sm_scale) {
+                     ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                     int32_t sliding_window, float logit_softcap) {
   Problem pb;
   switch (kv.element_type()) {
     case ffi::F32: pb.kind = Kind::kF32; pb.itemsize = 4; break;
@@ -367,6 +386,10 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   pb.query_starts = query_starts.typed_data();
   pb.out = out->typed_data();
   pb.sm_scale = sm_scale;
+  pb.sliding_window = sliding_window;
+  pb.logit_softcap = logit_softcap;
+  if (sliding_window < 0 || logit_softcap < 0.0f)
+    return ffi::Error::InvalidArgument("sliding_window and logit_softcap must be >= 0");
   std::memset(pb.out, 0, sizeof(float) * pb.num_tokens * pb.num_heads * pb.head_dim);
 
   // Every row is checked while the items are listed, before anything is read: a bad step
@@ -383,20 +406,26 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
     if (num_new == 0) continue;  // a padding row: nothing is read
     if (num_cached < 0 || num_cached > pb.pages_per_seq * pb.page_size)
       return ffi::Error::InvalidArgument("seq_lens: a row's cached tokens exceed its page table");
+    // The earliest position any of the row's queries sees: its first new token's window.
+    const int64_t row_lo =
+        sliding_window > 0 ? std::max<int64_t>(0, num_cached - sliding_window + 1) : 0;
     const int32_t* table = pb.page_table + s * pb.pages_per_seq;
-    for (int64_t i = 0; i * pb.page_size < num_cached; ++i) {
+    for (int64_t i = row_lo / pb.page_size; i * pb.page_size < num_cached; ++i) {
       if (table[i] < 0 || table[i] >= pb.num_pages)
         return ffi::Error::InvalidArgument("page_table: a page id is out of range");
     }
     for (int32_t first = 0; first < num_new; first += kQueryBlock) {
       const int32_t count = std::min<int32_t>(kQueryBlock, num_new - first);
-      const int32_t last = static_cast<int32_t>(num_cached) + first + count - 1;
-      for (int32_t k = 0; k < pb.num_kv_heads; ++k) items.push_back({s, k, first, count, last});
+      const int32_t first_pos = static_cast<int32_t>(num_cached) + first;
+      const int32_t lo = sliding_window > 0 ? std::max(0, first_pos - sliding_window + 1) : 0;
+      const int32_t last = first_pos + count - 1;
+      for (int32_t k = 0; k < pb.num_kv_heads; ++k)
+        items.push_back({s, k, first, count, lo, last});
     }
   }
-  // Longest contexts first, so the last items to finish are short ones.
+  // Longest spans first, so the last items to finish are short ones.
   std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.last > b.last; });
+                   [](const Item& a, const Item& b) { return a.last - a.lo > b.last - b.lo; });
   if (!items.empty()) run_items(pool, pb, items);
   return ffi::Error::Success();
 }
@@ -415,4 +444,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaRaggedPagedAttentionCpu, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_starts
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Attr<float>("sm_scale"));
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("logit_softcap"));

@@ -33,11 +33,12 @@ import jaxlib
 import numpy as np
 
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
-from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupported
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET = "ksana_ragged_paged_attention_cpu"
 _SYMBOL = "KsanaRaggedPagedAttentionCpu"
+MAX_HEAD_DIM, MAX_GROUP = 256, 16  # kMaxHeadDim, kMaxGroup in the .cc
 
 
 def _cache_dir() -> Path:
@@ -108,6 +109,16 @@ def available() -> bool:
     return True
 
 
+def check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Raises ValueError unless head_dim <= MAX_HEAD_DIM and the query heads per KV head are
+    <= MAX_GROUP (the kernel's fixed-size scratch)."""
+    if head_dim > MAX_HEAD_DIM or num_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(
+            f"the cpu kernel takes head_dim <= {MAX_HEAD_DIM} and <= {MAX_GROUP} query heads "
+            f"per KV head, got head_dim {head_dim}, {num_heads} query and {num_kv_heads} KV heads"
+        )
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
 def ragged_paged_attention(
     q: jax.Array,
@@ -121,19 +132,14 @@ def ragged_paged_attention(
     *,
     spec: AttentionSpec,
 ) -> jax.Array:
-    """reference.ragged_paged_attention (same arguments and result) as one custom call.
+    """reference.ragged_paged_attention (same arguments and result) as one custom call;
+    with a sliding window each row streams only the positions its queries' windows cover.
     Returns: f32[T, N, H]; zeros for padding tokens."""
-    refuse_unsupported(spec, "cpu")
-    sm_scale = spec.sm_scale
     layer_index = jnp.asarray(layer_index, jnp.int32)
     validate_attention_args(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
     if kv.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"kv dtype must be float32, bfloat16 or float16, got {kv.dtype}")
-    if q.shape[2] > 256 or q.shape[1] // kv.shape[2] > 16:
-        raise ValueError(
-            f"the cpu kernel takes head_dim <= 256 and <= 16 query heads per KV head, "
-            f"got q {q.shape} and {kv.shape[2]} KV heads"
-        )
+    check_heads(q.shape[1], kv.shape[2], q.shape[2])
     _register()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
@@ -145,5 +151,7 @@ def ragged_paged_attention(
         page_table,
         seq_lens,
         query_starts,
-        sm_scale=np.float32(sm_scale),
+        sm_scale=np.float32(spec.sm_scale),
+        sliding_window=np.int32(spec.sliding_window or 0),
+        logit_softcap=np.float32(spec.logit_softcap or 0.0),
     )

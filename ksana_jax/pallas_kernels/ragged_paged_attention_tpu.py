@@ -31,12 +31,17 @@ Copied in at each grid step:
     Only pages holding cached tokens are copied; the rest of the buffer is stale and masked.
   - new keys/values, phase 2: for each row r, the `block_q`-token blocks of k_new/v_new
     from r's first new token up to the query block's end, double-buffered the same way.
+With a sliding window W (spec.sliding_window) both phases start at the window start of the
+row's first query in the block (its position - W + 1): phase 1 at the page holding it, so
+pages wholly before the window are never copied, phase 2 at the k_new block holding it.
+Decode over a long context then copies about W positions a row, not the whole context.
 
 Online-softmax state, per query row of the block (f32 VMEM scratch, lane-replicated to 128
 like jax's flash attention): running max m [block_q * G, 128], running denominator
 l [block_q * G, 128], unnormalised output acc [block_q * G, H]. Every key block updates the
 state of all rows with a selected (never multiplied) mask: query token in row r, key
-position visible to it. A row that sees nothing in a block keeps its state exactly
+position visible to it (causal, within the window); scores are soft-capped first
+(c * tanh(s / c)) when the spec asks. A row that sees nothing in a block keeps its state exactly
 (alpha = 1, p = 0). The output is acc / l, and 0 where l == 0 (padding tokens).
 
 Costs of this shape: each key block updates all block_q * G query rows of the block, so
@@ -68,7 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
-from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupported
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.pallas_kernels.dma_pipeline_tpu import cdiv, double_buffered_rows_loop
 
 LANES = 128  # the m/l scratch is replicated across one lane tile
@@ -125,16 +130,19 @@ def _dot(a, b, contract_b: int):
     )
 
 
-def _online_softmax_update(q, k, v, visible, key_valid, sm_scale, m_ref, l_ref, acc_ref):
+def _online_softmax_update(q, k, v, visible, key_valid, spec, m_ref, l_ref, acc_ref):
     """Folds one key block into the running (m, l, acc) of every query row.
 
     q [M, H] in the dot dtype; k, v [n, H]; visible bool[M, n] (query row sees key);
     key_valid bool[n, H] (the key slot holds real data: values outside it may be NaN and
-    are selected away).
+    are selected away); spec: the scale and soft-cap.
     """
     k = k.astype(q.dtype)
     v = jnp.where(key_valid, v, jnp.zeros_like(v)).astype(q.dtype)
-    scores = jnp.where(visible, _dot(q, k, 1) * sm_scale, -jnp.inf)  # [M, n]
+    scores = _dot(q, k, 1) * spec.sm_scale
+    if spec.logit_softcap is not None:
+        scores = spec.logit_softcap * jnp.tanh(scores / spec.logit_softcap)
+    scores = jnp.where(visible, scores, -jnp.inf)  # [M, n]
     m_prev = m_ref[...]  # [M, LANES]
     m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
     # A row that has seen nothing yet keeps m = -inf; shift it by 0 so exp gives 0, not NaN.
@@ -162,7 +170,7 @@ class _Step:
     query_starts_ref: jax.Array  # i32[S + 1]
     q: jax.Array  # [M, H], M = block_q * G
     state: tuple  # (m_ref f32[M, LANES], l_ref f32[M, LANES], acc_ref f32[M, H])
-    sm_scale: float
+    spec: AttentionSpec
 
     def row_bounds(self, row):
         return self.query_starts_ref[row], self.query_starts_ref[row + 1]
@@ -171,30 +179,56 @@ class _Step:
         row_start, row_end = self.row_bounds(row)
         return self.seq_lens_ref[row] - (row_end - row_start)
 
+    def first_token(self, row):
+        """The row's first new token in this query block."""
+        return jnp.maximum(self.row_bounds(row)[0], self.block_start)
+
+    def window_start(self, row):
+        """The earliest position the row's queries in this block see: the window start of
+        its first one (0 without a window)."""
+        if self.spec.sliding_window is None:
+            return jnp.int32(0)
+        row_start = self.row_bounds(row)[0]
+        first_pos = self.num_cached(row) + self.first_token(row) - row_start
+        return jnp.maximum(0, first_pos - self.spec.sliding_window + 1)
+
+    def in_window(self, tokens, keys, row):
+        """bool[M, n]: key positions `keys` within the window of query tokens `tokens`
+        (both as token offsets of the row, or both as positions)."""
+        if self.spec.sliding_window is None:
+            return jnp.ones(tokens.shape, jnp.bool_)
+        return keys > tokens - self.spec.sliding_window
+
     def query_tokens(self, num_keys: int):
         """i32[M, num_keys]: the token of each query row, broadcast along the keys."""
         rows = lax.broadcasted_iota(jnp.int32, (self.q.shape[0], num_keys), 0)
         return self.block_start + lax.div(rows, self.group)
 
     def update(self, k, v, visible, key_valid):
-        _online_softmax_update(self.q, k, v, visible, key_valid, self.sm_scale, *self.state)
+        _online_softmax_update(self.q, k, v, visible, key_valid, self.spec, *self.state)
 
 
 def _attend_cached_pages(step: _Step, kv_hbm, k_buf, v_buf, sems):
     """Phase 1: every row's cached context, page block by page block, pages DMA'd from the
-    page table into k_buf/v_buf [2, pages_per_block, page_size, H] (double-buffered)."""
+    page table into k_buf/v_buf [2, pages_per_block, page_size, H] (double-buffered). With a
+    sliding window a row's blocks start at the page holding its window start: pages wholly
+    before it are never copied."""
     pages_per_block, page_size, head_dim = k_buf.shape[1:]
     keys_per_block = pages_per_block * page_size
     max_pages = step.page_table_ref.shape[1]
 
+    def first_page(row):
+        return lax.div(step.window_start(row), page_size)
+
     def num_blocks(row):
-        return jnp.maximum(1, cdiv(step.num_cached(row), keys_per_block))
+        keys = jnp.maximum(0, step.num_cached(row) - first_page(row) * page_size)
+        return jnp.maximum(1, cdiv(keys, keys_per_block))
 
     def copies(row, block, slot):
         num_pages = cdiv(step.num_cached(row), page_size)
         out = []
         for i in range(pages_per_block):
-            index = block * pages_per_block + i
+            index = first_page(row) + block * pages_per_block + i
             page = step.page_table_ref[row, jnp.minimum(index, max_pages - 1)]
             for buf, kv_index in ((k_buf, 0), (v_buf, 1)):
                 src = kv_hbm.at[step.layer, kv_index, step.kv_head, page]
@@ -203,7 +237,8 @@ def _attend_cached_pages(step: _Step, kv_hbm, k_buf, v_buf, sems):
         return out
 
     def attend(row, block, slot):
-        cached, first_key = step.num_cached(row), block * keys_per_block
+        cached = step.num_cached(row)
+        first_key = (first_page(row) + block * pages_per_block) * page_size
 
         @pl.when(first_key < cached)
         def _():
@@ -213,7 +248,9 @@ def _attend_cached_pages(step: _Step, kv_hbm, k_buf, v_buf, sems):
             keys = first_key + lax.broadcasted_iota(jnp.int32, tokens.shape, 1)
             row_start, row_end = step.row_bounds(row)
             visible = (tokens >= row_start) & (tokens < row_end) & (keys < cached)
-            key_valid = first_key + lax.broadcasted_iota(jnp.int32, k.shape, 0) < cached
+            visible &= step.in_window(cached + tokens - row_start, keys, row)
+            key_ids = first_key + lax.broadcasted_iota(jnp.int32, k.shape, 0)
+            key_valid = (key_ids < cached) & (key_ids >= step.window_start(row))
             step.update(k, v, visible, key_valid)
 
     double_buffered_rows_loop(step.first_row, step.last_row, num_blocks, copies, attend)
@@ -221,13 +258,18 @@ def _attend_cached_pages(step: _Step, kv_hbm, k_buf, v_buf, sems):
 
 def _attend_new_tokens(step: _Step, k_new_hbm, v_new_hbm, k_buf, v_buf, sems):
     """Phase 2: every row's new keys up to the block's last token, causal, in block_q-token
-    blocks DMA'd from k_new/v_new [K, T_pad, H] into k_buf/v_buf [2, block_q, H]."""
+    blocks DMA'd from k_new/v_new [K, T_pad, H] into k_buf/v_buf [2, block_q, H], from the
+    block holding the window start of the row's first query here (the row's start without
+    a window)."""
     block_q, head_dim = k_buf.shape[1:]
     block_end = step.block_start + block_q
 
     def first_block_and_count(row):
         row_start, row_end = step.row_bounds(row)
-        lo = lax.div(row_start, block_q)
+        first_key = row_start
+        if step.spec.sliding_window is not None:
+            first_key = jnp.maximum(row_start, step.first_token(row) - step.spec.sliding_window + 1)
+        lo = lax.div(first_key, block_q)
         hi = lax.div(jnp.maximum(jnp.minimum(row_end, block_end) - 1, 0), block_q)
         return lo, jnp.maximum(1, hi - lo + 1)
 
@@ -251,6 +293,7 @@ def _attend_new_tokens(step: _Step, k_new_hbm, v_new_hbm, k_buf, v_buf, sems):
         keys = start + lax.broadcasted_iota(jnp.int32, tokens.shape, 1)
         in_row = (tokens >= row_start) & (tokens < row_end)
         visible = in_row & (keys >= row_start) & (keys <= tokens)
+        visible &= step.in_window(tokens, keys, row)
         key_ids = start + lax.broadcasted_iota(jnp.int32, (block_q, head_dim), 0)
         key_valid = (key_ids >= row_start) & (key_ids < row_end)
         step.update(k_buf[slot], v_buf[slot], visible, key_valid)
@@ -286,7 +329,7 @@ def _attention_kernel(
     l_ref,  # f32[M, LANES]
     acc_ref,  # f32[M, H]
     *,
-    sm_scale: float,
+    spec: AttentionSpec,
     group: int,
 ):
     kv_head, q_block = pl.program_id(0), pl.program_id(1)
@@ -308,7 +351,7 @@ def _attention_kernel(
         query_starts_ref=query_starts_ref,
         q=q_ref[...],
         state=(m_ref, l_ref, acc_ref),
-        sm_scale=sm_scale,
+        spec=spec,
     )
     _attend_cached_pages(step, kv_hbm, k_pages_buf, v_pages_buf, sems)  # phase 1
     _attend_new_tokens(step, k_new_hbm, v_new_hbm, k_new_buf, v_new_buf, sems)  # phase 2
@@ -396,8 +439,6 @@ def ragged_paged_attention(
       interpret: True (or pltpu.InterpretParams) runs the kernel on CPU.
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
-    refuse_unsupported(spec, "pallas_tpu")
-    sm_scale = spec.sm_scale
     layer_index = jnp.asarray(layer_index)
     if block_q is None:
         tile = max(_sublane_tile(k_new.dtype), _sublane_tile(kv.dtype))
@@ -429,7 +470,7 @@ def ragged_paged_attention(
     page_buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), kv.dtype)
     new_buf = pltpu.VMEM((2, block_q, head_dim), k_new.dtype)
     out = pl.pallas_call(
-        functools.partial(_attention_kernel, sm_scale=sm_scale, group=group),
+        functools.partial(_attention_kernel, spec=spec, group=group),
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, padded * group, head_dim), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,

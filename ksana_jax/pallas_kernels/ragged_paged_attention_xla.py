@@ -13,13 +13,19 @@ that each belong to one sequence, so a group reads its sequence's keys once:
 A group attends over its sequence's positions `chunk` at a time, flash-attention style: a
 while loop over chunks keeps a running max, sum and weighted value sum in float32, and runs
 only as many chunks as the group's latest query position needs, so page-table padding costs
-nothing. Position p comes from the pages (through the page table) when it was cached before
-this step, and from k_new/v_new when it is one of the step's own tokens; a query sees the
-positions up to its own. What a sequence does not own is never used: scores are masked with
-`where`, and values beyond the sequence are zeroed before the product, so NaN there is
-harmless. Per chunk the gathered keys and values are [K, groups, chunk, H], a few MB, so the
-temporaries stay small enough for the allocator to reuse step after step (XLA:CPU page-faults
-freshly mapped temporaries on every call, which dominates the oracle's time).
+nothing. With a sliding window W each group's chunks start at the page holding the window
+start of its earliest query (position - W + 1), so pages wholly before the window are never
+gathered: decode over a long context reads about W positions, not the context. Scores are
+soft-capped (c * tanh(s / c)) before the mask when the spec asks.
+
+Position p comes from the pages (through the page table) when it was cached before this
+step, and from k_new/v_new when it is one of the step's own tokens; a query sees the
+positions up to its own (and within its window). What a sequence does not own is never
+used: scores are masked with `where`, and values beyond the sequence or before the group's
+window are zeroed before the product, so NaN there is harmless. Per chunk the gathered keys
+and values are [K, groups, chunk, H], a few MB, so the temporaries stay small enough for the
+allocator to reuse step after step (XLA:CPU page-faults freshly mapped temporaries on every
+call, which dominates the oracle's time).
 
 Precision: with a float32 KV everything is float32 (equal to the oracle within rounding);
 with a 16-bit KV (float16 is the CPU's choice for bfloat16 models) queries, keys,
@@ -35,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
-from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupported
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 
 def _cast(x: jax.Array, dtype) -> jax.Array:
@@ -64,7 +70,7 @@ def _attend_groups(
     group_rows: jax.Array,
     positions: jax.Array,
     *,
-    sm_scale: float,
+    spec: AttentionSpec,
     chunk: int,
 ) -> jax.Array:
     """Attention of query groups, each over its own sequence.
@@ -88,6 +94,13 @@ def _attend_groups(
     num_cached = rows.num_cached[group_rows][:, None]  # [G, 1]
     tables = rows.page_table[group_rows]  # [G, P]
     last = jnp.max(positions, axis=1, keepdims=True)  # [G, 1] latest position a group reads
+    if spec.sliding_window is None:
+        lo = base = jnp.zeros((1, 1), jnp.int32)  # every group reads from position 0
+    else:
+        earliest = jnp.min(jnp.where(positions >= 0, positions, jnp.iinfo(jnp.int32).max), axis=1)
+        lo = jnp.maximum(0, earliest - spec.sliding_window + 1)[:, None]  # [G, 1]
+        lo = jnp.minimum(lo, jnp.maximum(last, 0))  # an empty group: 0
+        base = lo - lo % page_size  # [G, 1] first position read: a page boundary
     # With a 16-bit KV (a bfloat16 model's) the products take bfloat16 operands, as the
     # model's own matmuls do (XLA:CPU would compute a float16 dot in float32, from operands
     # twice the size); with a float32 KV they are float32. Accumulation is always float32.
@@ -95,16 +108,17 @@ def _attend_groups(
     # [K, G, B * group, H]: each KV head's queries, the group-heads of a token side by side.
     qg = q.astype(jnp.float32).reshape(num_groups, block_q, num_kv_heads, group, head_dim)
     qg = qg.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, num_groups, block_q * group, head_dim)
-    qg = _cast(qg * sm_scale, dot_dtype)
+    qg = _cast(qg * spec.sm_scale, dot_dtype)
     query_pos = jnp.repeat(positions, group, axis=1)  # [G, B * group]
 
     def chunk_step(i, carry):
         running_max, denominator, acc = carry
-        pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
-        cols = jnp.minimum(i * pages_per_chunk + jnp.arange(pages_per_chunk), max_col)
-        pages = tables[:, cols]  # [G, pages_per_chunk]
-        new_index = jnp.clip(start + pos[None, :] - num_cached, 0, num_tokens - 1)  # [G, C]
-        from_pages = (pos[None, :] < num_cached)[None, :, :, None]  # [1, G, C, 1]
+        pos = base + i * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [G or 1, C]
+        cols = base // page_size + i * pages_per_chunk + jnp.arange(pages_per_chunk)
+        cols = jnp.broadcast_to(jnp.minimum(cols, max_col), (num_groups, pages_per_chunk))
+        pages = jnp.take_along_axis(tables, cols, axis=1)  # [G, pages_per_chunk]
+        new_index = jnp.clip(start + pos - num_cached, 0, num_tokens - 1)  # [G, C]
+        from_pages = (pos < num_cached)[None, :, :, None]  # [1, G, C, 1]
 
         def read(kv_index, new):  # keys (0) or values (1) of the chunk: [K, G, C, H]
             # Gathered on their own, each fuses into its select instead of being stored.
@@ -123,7 +137,11 @@ def _attend_groups(
             "kgch,kgqh->kgcq", read(0, k_new), qg, preferred_element_type=jnp.float32
         )
         scores = jax.lax.optimization_barrier(scores).transpose(0, 1, 3, 2)  # [K, G, Q, C]
-        visible = pos[None, None, :] <= query_pos[:, :, None]  # [G, Q, C]
+        if spec.logit_softcap is not None:
+            scores = spec.logit_softcap * jnp.tanh(scores / spec.logit_softcap)
+        visible = pos[:, None, :] <= query_pos[:, :, None]  # [G, Q, C]
+        if spec.sliding_window is not None:
+            visible &= pos[:, None, :] > query_pos[:, :, None] - spec.sliding_window
         scores = jnp.where(visible[None], scores, -jnp.inf)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
         # A query that has seen nothing yet keeps max -inf; shift by 0 so exp gives 0, not NaN.
@@ -131,8 +149,10 @@ def _attend_groups(
         probs = jnp.exp(scores - shift[..., None])
         rescale = jnp.exp(running_max - shift)
         denominator = denominator * rescale + jnp.sum(probs, axis=-1)
-        # Positions past the group's last query are not owned (may be NaN): zero, not mask.
-        values = jnp.where((pos[None, :] <= last)[None, :, :, None], read(1, v_new), 0)
+        # Positions past the group's last query, or before its window, may be NaN (not
+        # owned, or poisoned by a test): zero, not mask.
+        owned = (pos <= last) & (pos >= lo)  # [G, C]
+        values = jnp.where(owned[None, :, :, None], read(1, v_new), 0)
         acc = acc * rescale[..., None] + jnp.einsum(
             "kgqc,kgch->kgqh", probs.astype(dot_dtype), values, preferred_element_type=jnp.float32
         )
@@ -144,7 +164,8 @@ def _attend_groups(
         jnp.zeros(stats_shape, jnp.float32),
         jnp.zeros((*stats_shape, head_dim), jnp.float32),
     )
-    num_chunks = (jnp.max(positions) + chunk) // chunk  # 0 when every slot is empty
+    # Enough chunks for the group reading the most (0 when every slot is empty).
+    num_chunks = jnp.max((last - base + chunk) // chunk, initial=0)
     _, denominator, acc = jax.lax.fori_loop(0, num_chunks, chunk_step, init)
     # Every real query sees at least its own key, so only empty slots have a zero sum.
     seen = denominator > 0
@@ -176,8 +197,6 @@ def ragged_paged_attention(
     step (default T // block_q + 2: one step for a batch of a few prefill chunks).
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
-    refuse_unsupported(spec, "xla")
-    sm_scale = spec.sm_scale
     validate_attention_args(
         q, k_new, v_new, kv, jnp.asarray(layer_index), page_table, seq_lens, query_starts
     )
@@ -201,7 +220,7 @@ def ragged_paged_attention(
         kv=kv,
         layer_index=layer_index,
         rows=rows,
-        sm_scale=sm_scale,
+        spec=spec,
         chunk=chunk,
     )
     out = jnp.zeros((num_tokens, num_heads, head_dim), jnp.float32)
