@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -16,7 +17,10 @@ from family_models import CASES, PROMPT, hf_config, hf_logits, perturb, write_ca
 import ksana_jax
 from checkpoints_tools import ConversionError, convert, read_source
 from ksana_jax.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from ksana_jax.kv_cache import KVCacheSpec, allocate_kv
 from ksana_jax.models import registry
+from ksana_jax.step import logits_step
+from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
 
 ATOL = 1e-4
 
@@ -39,6 +43,36 @@ def test_all_position_logits_match_transformers(converted):
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
     # The last position alone, from a prompt cut short (its own prefill, another bucket).
     np.testing.assert_allclose(model.logits(PROMPT[:29])[-1], want[28], atol=ATOL, rtol=0)
+
+
+def chunked_prefill_logits(model, chunks, backend: str, page_size: int = 4) -> np.ndarray:
+    """Logits at every prompt position, the prompt fed in `chunks` (sizes) through the jitted
+    paged step on shuffled pages: later chunks read earlier ones' K/V from the pages."""
+    kv = allocate_kv(KVCacheSpec.for_model(model.config, 24, page_size, "float32"))
+    pages = [int(p) for p in np.random.default_rng(1).permutation(np.arange(1, 24))[:12]]
+    out, start = [], 0
+    for size in chunks:
+        chunk = SequenceChunk(PROMPT[start : start + size], start, pages)
+        inputs = build_step_inputs([chunk], page_size, 16, 1, 12)
+        indices = jnp.arange(size, dtype=jnp.int32)
+        logits, kv = logits_step(model.params, model.config, kv, inputs, indices, backend)
+        out.append(np.asarray(logits))
+        start += size
+    return np.concatenate(out)
+
+
+# Chunk boundaries at 3, 9, 10, 21, 27 and 37 tokens: inside one window and across several.
+CHUNKS = [3, 6, 1, 11, 6, 10]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_chunked_prefill_around_the_window_matches_transformers(converted, backend):
+    case, hf_model, model = converted
+    if model.config.sliding_window is None:
+        pytest.skip(f"{case} has no window")
+    assert sum(CHUNKS) == len(PROMPT)
+    got = chunked_prefill_logits(model, CHUNKS, backend)
+    np.testing.assert_allclose(got, hf_logits(hf_model, PROMPT), atol=ATOL, rtol=0)
 
 
 def _variant_logits(model, **changes) -> np.ndarray:
