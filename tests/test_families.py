@@ -100,6 +100,17 @@ def test_window_and_softcaps_change_the_output(converted):
         assert np.abs(_variant_logits(model, **change) - base).max() > 100 * ATOL, change
 
 
+def test_bfloat16_params_stay_close(converted):
+    """In bfloat16 (Gemma's sqrt(D) embedding scale rounded to it, as transformers does) the
+    logits stay near float32's."""
+    case, _, model = converted
+    if case not in ("gemma2_softcap", "gemma3_text", "qwen3_window"):
+        pytest.skip("one case per family")
+    want = model.logits(PROMPT)
+    got = model.with_dtype("bfloat16").logits(PROMPT)
+    assert 1e-6 < np.abs(got - want).max() < 0.1
+
+
 def test_config_json_round_trips(converted):
     _, _, model = converted
     assert ModelConfig.from_hf_dict(model.config.to_hf_dict()) == model.config

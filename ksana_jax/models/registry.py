@@ -40,7 +40,7 @@ HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: its maps are dicts
 class Family:
     """What a model family declares. Names: `flat` = ours ("layers.wq"), HF = transformers'
     ("model.layers.{i}.self_attn.q_proj.weight"), GGUF = llama.cpp's ("blk.{i}.attn_q.weight").
