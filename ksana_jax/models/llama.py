@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ksana_jax.config import (
@@ -290,7 +291,7 @@ def forward(
         (a Pallas backend on CPU runs in interpret mode: tests only).
     Returns: final-norm hidden states f32[T, D] and the updated kv.
     """
-    x = params["embed"][inputs.token_ids].astype("float32")  # [T, D]
+    x = params["embed"][inputs.token_ids].astype(jnp.float32)  # [T, D]
     for i, layer in enumerate(params["layers"]):
         hidden = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         attn, kv = attention_block(cfg, inputs, kv, hidden, i, layer, backend)

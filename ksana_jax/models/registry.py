@@ -59,7 +59,7 @@ class Family:
     param_axes: Mapping[str, tuple[str | None, ...]]  # flat name -> logical axes (sharding.py)
     hf_top: Mapping[str, str]  # HF name -> flat name
     hf_layer: Mapping[str, str]  # per-layer HF name -> flat name
-    gguf_top: Mapping[str, str]  # GGUF name -> HF name
+    gguf_top: Mapping[str, str | None]  # GGUF name -> HF name; None: read by the config
     gguf_layer: Mapping[str, str]  # per-layer GGUF name -> per-layer HF name
     # (params, cfg, kv, inputs, backend) -> (final hidden f32[T, D], kv)
     forward: Callable[..., tuple[jax.Array, jax.Array]]
