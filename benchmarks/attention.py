@@ -8,11 +8,18 @@ V, plus q, the new K/V and the output -- by the median time, and prints the frac
 the device's measured copy bandwidth that is. The target on GPU/TPU for long-context
 decode is >= 70% of it and >= 1.0x the reference.
 
+`window_decode` is decode over a 32k context with a 4096-token sliding window (Mistral,
+Gemma 2/3 local layers): each backend runs it with the window and without, and prints the
+bytes attention must read each way -- with the window only the last 4095 cached positions
+of a row -- with both times. The kernels skip the pages before the window, so their time
+should fall about as the bytes do; the reference gathers the whole context either way.
+
 On CPU the Pallas kernels run in interpret mode: their times say nothing about kernel
 speed (the interpreter is a slow emulation) and are printed only to show they run.
 
     python benchmarks/attention.py [--model smollm2|llama3_8b] [--dtype bfloat16]
-        [--backends reference,pallas_gpu] [--workloads decode,prefill,mixed] [--repeats 10]
+        [--backends reference,pallas_gpu] [--workloads decode,prefill,mixed,window_decode]
+        [--repeats 10]
 """
 
 from __future__ import annotations
@@ -42,7 +49,9 @@ WORKLOADS = {
         "device": [(2047, 1)] * 24 + [(512, 512)],
         "cpu": [(255, 1)] * 4 + [(32, 28)],
     },
+    "window_decode": {"device": [(32767, 1)] * 8, "cpu": [(32767, 1)] * 4},
 }
+WINDOWS = {"window_decode": 4096}  # workload -> sliding window (run with it and without)
 
 
 def build_batch(rows, num_heads, num_kv_heads, head_dim, dtype, seed=0):
@@ -71,10 +80,11 @@ def build_batch(rows, num_heads, num_kv_heads, head_dim, dtype, seed=0):
     )
 
 
-def bytes_read(rows, num_heads, num_kv_heads, head_dim, dtype) -> int:
-    """What attention must move: cached K and V of real rows, q, new K/V, the output."""
+def bytes_read(rows, num_heads, num_kv_heads, head_dim, dtype, window=None) -> int:
+    """What attention must move: cached K and V of real rows (with a sliding window, only
+    the W - 1 positions before a row's first new token), q, new K/V, the output."""
     itemsize = jnp.dtype(dtype).itemsize
-    num_cached = sum(c for c, _ in rows)
+    num_cached = sum(c if window is None else min(c, window - 1) for c, _ in rows)
     num_tokens = sum(n for _, n in rows)
     cached = 2 * num_cached * num_kv_heads * head_dim * itemsize
     new = 2 * num_tokens * num_kv_heads * head_dim * itemsize
@@ -104,7 +114,8 @@ def copy_bandwidth(repeats: int, calls: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3_8b")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    # float16: the KV dtype the engine picks on CPU for bfloat16 models (kv_cache.py).
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--backends", default="reference,cpu,xla,pallas_tpu,pallas_gpu")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=10)
@@ -133,9 +144,16 @@ def main() -> None:
             f"\n{workload}: {len(rows)} rows, {sum(n for _, n in rows)} new tokens, "
             f"{sum(c for c, _ in rows)} cached; attention must read {moved / 1e6:.1f} MB"
         )
+        window = WINDOWS.get(workload)
+        if window is not None:
+            windowed = bytes_read(rows, num_heads, num_kv_heads, head_dim, dtype, window)
+            print(
+                f"  with a {window}-token sliding window it must read {windowed / 1e6:.1f} MB "
+                f"({moved / windowed:.1f}x fewer bytes); each backend: window, then none"
+            )
         reference_s = None
         for backend in args.backends.split(","):
-            interpret = on_cpu and backend in pallas_kernels.PALLAS_BACKENDS
+            interpret = on_cpu and pallas_kernels.get_backend(backend).interpret_on_cpu
             if backend == "pallas_tpu" and platform not in ("tpu", "cpu"):
                 continue
             if backend == "pallas_gpu" and platform not in ("gpu", "cpu"):
@@ -147,6 +165,13 @@ def main() -> None:
                 attention = pallas_kernels.get_attention(backend, interpret=interpret)
             # Jitted as the model step does (the reference is a plain function).
             attention = jax.jit(attention, static_argnames="spec")
+            if window is not None:
+                spec = AttentionSpec(head_dim**-0.5, sliding_window=window)
+                call = functools.partial(attention, *batch, spec=spec)
+                window_s = median_seconds(call, args.repeats, calls)
+                line = f"  {backend:11s} {window_s * 1e3:9.3f} ms  window {window}: "
+                line += f"{windowed / window_s / 1e9:8.2f} GB/s of the {windowed / 1e6:.1f} MB"
+                print(line + ("  (interpret mode: not a speed)" if interpret else ""))
             call = functools.partial(attention, *batch, spec=AttentionSpec(head_dim**-0.5))
             seconds = median_seconds(call, args.repeats, calls)
             reference_s = seconds if backend == "reference" else reference_s
@@ -154,6 +179,8 @@ def main() -> None:
             line += f"  {moved / seconds / peak:6.1%} of copy bandwidth"
             if reference_s and backend != "reference":
                 line += f"  {reference_s / seconds:5.2f}x reference"
+            if window is not None:
+                line += f"  no window: {seconds / window_s:5.2f}x the windowed time"
             if interpret:
                 line += "  (interpret mode: not a speed)"
             print(line)

@@ -8,10 +8,12 @@ not an approximation. A kernel that needs more shared memory than the GPU has fa
 it would there ("RESOURCE_EXHAUSTED: Shared memory size limit exceeded"). Nothing runs.
 
 For each GPU (an H200, an A100 and an L4 by default), model shape (SmolLM2's, a Llama-3-8B
-like one, and a 256-wide head) and KV dtype, this compiles the attention kernel on each
-workload (benchmarks/attention.py's, and rows of 8 and 16 new tokens, so that every tile
-size the kernel picks is compiled), with the launches the kernel plans itself
-(`plan_launches`), and both KV writes. For each compiled function it prints the kernels it
+like one, and a 256-wide head: Gemma-3-12B's 16 query / 8 KV heads) and KV dtype, this
+compiles the attention kernel on each workload (benchmarks/attention.py's, and rows of 8 and
+16 new tokens, so that every tile size the kernel picks is compiled), with the launches the
+kernel plans itself (`plan_launches`), and both KV writes. The windowed workload
+(`window_decode`: 32k contexts) compiles with its sliding window and a logit soft-cap (50,
+Gemma 2's), the others with neither. For each compiled function it prints the kernels it
 launches and its temporaries, and for each Pallas kernel in it:
   - the grid, and the shared memory per program that XLA reserves;
   - the `cp.async.wait_group N` values in the kernel's PTX. A loop whose wait is 0 waits for
@@ -121,13 +123,24 @@ device_description_str: "{self.name}"
 
 
 # benchmarks/attention.py's model shapes (query heads, KV heads, head dim), and a 256-wide
-# head (Gemma-2-9B-like), where resolve_tuning shrinks key blocks and tiles.
+# head (Gemma-2-9B- and Gemma-3-12B-like), where resolve_tuning shrinks key blocks and tiles.
 MODELS = {**attention.MODELS, "head256": (16, 8, 256)}
 # benchmarks/attention.py's device workloads (rows of (cached, new) tokens), and rows of 8 and
 # of 16 new tokens (short chunks, speculative tokens): with them, every tile size the
 # kernel picks by default is compiled.
 WORKLOADS = {name: rows["device"] for name, rows in attention.WORKLOADS.items()}
 WORKLOADS |= {"chunks8": [(1023, 8)] * 16, "chunks16": [(1023, 16)] * 16}
+SOFTCAP = 50.0  # with the windowed workloads' window (attention.WINDOWS)
+
+
+def attention_spec(workload: str, head_dim: int) -> AttentionSpec:
+    """The layer description a workload compiles with: its window and a soft-cap, if it has
+    a window (attention.WINDOWS); otherwise neither."""
+    window = attention.WINDOWS.get(workload)
+    softcap = None if window is None else SOFTCAP
+    return AttentionSpec(head_dim**-0.5, sliding_window=window, logit_softcap=softcap)
+
+
 MIB = 1 << 20
 # Data-sheet figures. The L4 stands for the 99 KB-per-program parts (sm_86, sm_89): Colab's
 # and most clouds' small GPUs.
@@ -259,23 +272,21 @@ def kernels(model: str, dtype, workloads, extra_launches=(), reference_too=False
     found = []
     for workload in workloads:
         shapes = attention_shapes(WORKLOADS[workload], num_heads, num_kv_heads, head_dim, dtype)
+        spec = attention_spec(workload, head_dim)
         for warps, stages in [(None, None), *extra_launches]:
             named = {} if warps is None else dict(num_warps=warps, num_stages=stages)
             plan = paged_attention_gpu_launches.plan_launches(
-                shapes[0].shape, shapes[3].shape, dtype, shapes[5].shape, **named
-            )
-            fn = functools.partial(
-                paged_attention_gpu.ragged_paged_attention,
-                spec=AttentionSpec(head_dim**-0.5),
+                shapes[0].shape,
+                shapes[3].shape,
+                dtype,
+                shapes[5].shape,
+                sliding_window=spec.sliding_window,
                 **named,
             )
+            fn = functools.partial(paged_attention_gpu.ragged_paged_attention, spec=spec, **named)
             found.append((f"attention/{workload}", plan, jax.jit(fn), shapes))
         if reference_too:
-            fn = jax.jit(
-                functools.partial(
-                    reference.ragged_paged_attention, spec=AttentionSpec(head_dim**-0.5)
-                )
-            )
+            fn = jax.jit(functools.partial(reference.ragged_paged_attention, spec=spec))
             found.append((f"reference/{workload}", None, fn, shapes))
     sds = jax.ShapeDtypeStruct
     num_tokens = sum(n for _, n in WORKLOADS["mixed"])

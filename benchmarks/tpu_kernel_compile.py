@@ -4,7 +4,8 @@
 block-shape rules; Mosaic's own compiler (vector layouts, tiling of every op) runs only in
 libtpu. With libtpu installed, jax compiles ahead of time for a TPU topology it only
 describes (`jax.experimental.topologies`), so this compiles the attention kernel and the
-two KV writes at SmolLM2 and Llama-3-8B-like shapes (bfloat16 and float32) for each TPU
+two KV writes at SmolLM2, Llama-3-8B-like and Gemma-3-4B-like shapes (the last with its
+1024-token sliding window and a logit soft-cap) in bfloat16 and float32 for each TPU
 generation, and prints which compile and how long each took. A kernel that fails here
 (`Mosaic failed to compile TPU kernel: ...`) would fail on the TPU. Nothing runs.
 `--engine-step` also compiles the whole SmolLM2 engine step and counts its whole-KV copies,
@@ -36,22 +37,25 @@ from ksana_jax.pallas_kernels import ragged_paged_attention_tpu, write_kv_pages_
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 # (name, layers, query heads, KV heads, head dim), as tests/test_pallas_export.py.
-MODELS = [("smollm2", 30, 9, 3, 64), ("llama3_8b", 32, 32, 8, 128)]
+MODELS = [("smollm2", 30, 9, 3, 64), ("llama3_8b", 32, 32, 8, 128), ("gemma3_4b", 34, 8, 4, 256)]
+# What attention compiles with beyond the scale: Gemma 3's local layers' window, and Gemma 2's
+# attention soft-cap (both features compiled in one kernel).
+FEATURES = {"gemma3_4b": dict(sliding_window=1024, logit_softcap=50.0)}
 PAGE_SIZE, NUM_PAGES, PAGES_PER_SEQ = 16, 512, 64  # contexts up to 1024
 # (T tokens, S rows): a mixed bucket (8 tokens a row: 8-token query blocks) and a decode
 # bucket (one token a row: the smallest query blocks).
 BUCKETS = {"mixed": (128, 16), "decode": (64, 64)}
 
 
-def kernels(num_layers, num_heads, num_kv_heads, head_dim, dtype):
-    """(name, jitted function, argument shapes) of each TPU kernel at these shapes."""
+def kernels(num_layers, num_heads, num_kv_heads, head_dim, dtype, features=None):
+    """(name, jitted function, argument shapes) of each TPU kernel at these shapes; attention
+    with `features` (AttentionSpec fields: window, soft-cap) if given."""
     sds = jax.ShapeDtypeStruct
     kv = sds((num_layers, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), dtype)
     i32 = jnp.int32
+    spec = AttentionSpec(head_dim**-0.5, **(features or {}))
     attention = jax.jit(
-        functools.partial(
-            ragged_paged_attention_tpu.ragged_paged_attention, spec=AttentionSpec(head_dim**-0.5)
-        )
+        functools.partial(ragged_paged_attention_tpu.ragged_paged_attention, spec=spec)
     )
     found = []
     for bucket, (num_tokens, num_seqs) in BUCKETS.items():
@@ -145,7 +149,7 @@ def main() -> None:
     for topology in args.topologies.split(","):
         for name, *shape in MODELS:
             for dtype in (jnp.bfloat16, jnp.float32):  # float16: refused, see kv_layout
-                for kernel, fn, shapes in kernels(*shape, dtype):
+                for kernel, fn, shapes in kernels(*shape, dtype, FEATURES.get(name)):
                     try:
                         result = f"compiled in {compile_for(topology, fn, shapes):.1f} s"
                     except Exception as e:  # report every kernel, then fail at the end

@@ -216,3 +216,27 @@ def test_tpu_kernel_under_tpu_interpret_semantics(capsys):
             got = np.asarray(attention(*args, spec=spec))
         np.testing.assert_allclose(got, want, rtol=0, atol=ATOL, err_msg=name)
     assert "RACE DETECTED" not in capsys.readouterr().out
+
+
+@pytest.mark.tpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec_name", ["window20", "window20_softcap"])
+def test_compiled_kernel_matches_reference_on_device(spec_name):
+    """The compiled kernel (not the interpreter) on the TPU or GPU this runs on."""
+    kernels = {
+        "tpu": ragged_paged_attention_tpu.ragged_paged_attention,
+        "gpu": paged_attention_gpu.ragged_paged_attention,
+    }
+    platform = jax.default_backend()
+    if platform not in kernels:
+        pytest.skip(f"needs a TPU or GPU, running on {platform}")
+    spec = SPECS[spec_name]
+    with jax.default_matmul_precision("highest"):  # the oracle's f32 dots, not TF32/bf16
+        for num_kv_heads, group, head_dim in HEADS:
+            for seed, (name, rows) in enumerate(SCENARIOS.items()):
+                args = make_batch(
+                    rows, spec, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, seed=seed
+                )
+                want = np.asarray(reference.ragged_paged_attention(*args, spec=spec))
+                got = np.asarray(kernels[platform](*args, spec=spec))
+                np.testing.assert_allclose(got, want, rtol=0, atol=1e-4, err_msg=name)

@@ -62,6 +62,7 @@ def test_every_kernel_compiles_for_each_gpu(kernel_records):
     models = {"llama3_8b", "smollm2", "head256"}
     names = {"attention/decode", "attention/long_decode", "attention/prefill", "attention/mixed"}
     names |= {"attention/chunks8", "attention/chunks16"}
+    names |= {"attention/window_decode"}  # a 4096-token window and a soft-cap, 32k contexts
     names |= {"write_kv_pages", "write_layer_kv"}
     assert len(kernel_records) == len(gpus) * len(models) * len(dtypes) * len(names)
     assert {(r["gpu"], r["model"], r["dtype"], r["name"]) for r in kernel_records} == {

@@ -34,7 +34,9 @@ NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ = 128, 16, 64  # a mixed bucket, contexts up
 TRITON = [jax.export.DisabledSafetyCheck.custom_call(paged_attention_gpu.TRITON_CUSTOM_CALL)]
 
 
-def attention_args(num_layers, num_heads, num_kv_heads, head_dim, dtype):
+def attention_args(
+    num_layers, num_heads, num_kv_heads, head_dim, dtype, pages_per_seq=PAGES_PER_SEQ
+):
     sds = jax.ShapeDtypeStruct
     return (
         sds((NUM_TOKENS, num_heads, head_dim), jnp.float32),
@@ -42,7 +44,7 @@ def attention_args(num_layers, num_heads, num_kv_heads, head_dim, dtype):
         sds((NUM_TOKENS, num_kv_heads, head_dim), dtype),
         sds((num_layers, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), dtype),
         sds((), jnp.int32),
-        sds((NUM_SEQS, PAGES_PER_SEQ), jnp.int32),
+        sds((NUM_SEQS, pages_per_seq), jnp.int32),
         sds((NUM_SEQS,), jnp.int32),
         sds((NUM_SEQS + 1,), jnp.int32),
     )
@@ -100,6 +102,28 @@ def test_triton_export_needs_the_documented_opt_in():
     args = attention_args(30, 9, 3, 64, jnp.bfloat16)
     with pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
         jax.export.export(jax.jit(attention), platforms=["cuda"])(*args)
+
+
+# Gemma-3-4B-like: 34 layers, 8 query / 4 KV heads of 256, its local layers' 1024-token
+# window (and Gemma 2's attention soft-cap, 50), over a 4096-token page table.
+GEMMA3 = (34, 8, 4, 256)
+GEMMA3_SPEC = AttentionSpec(256**-0.5, sliding_window=1024, logit_softcap=50.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_attention_with_window_and_softcap_lowers_at_gemma3_shapes(platform, dtype):
+    kernel = {"tpu": ragged_paged_attention_tpu, "cuda": paged_attention_gpu}[platform]
+    attention = functools.partial(kernel.ragged_paged_attention, spec=GEMMA3_SPEC)
+    args = attention_args(*GEMMA3, dtype, pages_per_seq=256)
+    exported = jax.export.export(jax.jit(attention), platforms=[platform], disabled_checks=TRITON)(
+        *args
+    )
+    module = exported.mlir_module()
+    custom_call = "tpu_custom_call" if platform == "tpu" else paged_attention_gpu.TRITON_CUSTOM_CALL
+    assert custom_call in module
+    assert exported.out_avals[0].shape == (NUM_TOKENS, 8, 256)
+    assert "stablehlo.while" not in module
 
 
 @pytest.mark.parametrize("name,num_layers,num_heads,num_kv_heads,head_dim,dtype", PARAMS[::2])
