@@ -8,8 +8,8 @@ and the slots of the step's own tokens, may hold anything, NaN included: masking
 with `where`, it never multiplies. Padding tokens (after query_starts[S]) produce zeros.
 
 Writing: `write_layer_kv` puts one layer's new K/V into its slots (the model does this just
-before that layer's attention, see models/llama.py for why); `write_kv_pages` does every
-layer at once, the oracle of the Pallas write kernels.
+before that layer's attention, see `models.layers.paged_attention` for why); `write_kv_pages`
+does every layer at once, the oracle of the Pallas write kernels.
 """
 
 from __future__ import annotations
