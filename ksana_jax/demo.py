@@ -36,15 +36,32 @@ def cache_dir() -> Path:
 
 
 def demo_checkpoint() -> Path:
-    """The converted demo checkpoint directory, converting it on first use."""
-    out = cache_dir() / "SmolLM2-135M-Instruct"
-    if not (checkpoint.is_checkpoint_dir(out) and checkpoint.has_current_layout(out)):
-        from checkpoints_tools import convert  # conversion lives above the engine
+    """The converted demo checkpoint directory, converting it on first use.
 
-        gguf = demo_gguf_path()
+    Two processes starting at once (two servers, a server and a test) do not both convert:
+    the second waits for the first's convert to finish and uses its output.
+    """
+    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if _is_current(out):
+        return out
+    # Conversion lives above the engine: imported only when needed.
+    from checkpoints_tools import convert, staging
+
+    gguf = demo_gguf_path()
+    try:
         print(f"converting the demo model into {out} (once)", file=sys.stderr)
         convert(gguf, out, force=True)
+    except staging.OutputLockedError:
+        print("waiting for another process converting the demo model", file=sys.stderr)
+        with staging.locked(out, wait=True):
+            pass
+        if not _is_current(out):
+            convert(gguf, out, force=True)
     return out
+
+
+def _is_current(out: Path) -> bool:
+    return checkpoint.is_checkpoint_dir(out) and checkpoint.has_current_layout(out)
 
 
 def resolve_model(model: str) -> str | Path:
