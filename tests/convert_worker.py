@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's code
 
-from checkpoints_tools import staging  # noqa: E402
-from ksana_jax import cli  # noqa: E402
+from checkpoints_tools import staging
+from ksana_jax import cli
 
 
 def main() -> int:

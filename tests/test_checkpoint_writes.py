@@ -43,12 +43,12 @@ def flats(sources):
     """Each source's params as numpy arrays by flat name: {"old": ..., "new": ...}."""
     return {
         name: {k: np.asarray(v) for k, v in llama.params_to_flat(read_source(path).params).items()}
-        for name, path in zip(("old", "new"), sources)
+        for name, path in zip(("old", "new"), sources, strict=True)
     }
 
 
 def which(out: Path, flats) -> str:
-    """"old" or "new": which complete checkpoint `out` loads as (fails if neither)."""
+    """ "old" or "new": which complete checkpoint `out` loads as (fails if neither)."""
     model = ksana_jax.load(out)
     got = {k: np.asarray(v) for k, v in llama.params_to_flat(model.params).items()}
     for name, want in flats.items():
