@@ -187,6 +187,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "else no key)",
     )
     p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="accept any of the keys in FILE (one a line; blank lines and # comments "
+        "skipped), besides --api-key",
+    )
+    p.add_argument(
         "--served-model-name",
         default=None,
         help="the model name clients send and /v1/models lists (default: from MODEL)",
@@ -196,6 +203,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1024,
         help="sequences (prompts x n) queued or running before new requests get 503 (default 1024)",
+    )
+    p.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=16,
+        help="stop strings a request may send (default 16; more is a 400)",
+    )
+    p.add_argument(
+        "--max-stop-chars",
+        type=int,
+        default=4096,
+        help="characters a request's stop strings may hold together (default 4096)",
     )
     p.add_argument(
         "--log-level",
@@ -234,12 +253,19 @@ def _run_serve(args: argparse.Namespace) -> int:
         from ksana_jax import multihost
 
         multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    from server.limits import RequestLimits
+
+    limits = RequestLimits(
+        max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars
+    )
     serve(
         args.model,
         engine_config_from_args(args),
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        api_key_file=args.api_key_file,
+        limits=limits,
         served_model_name=args.served_model_name,
         max_pending_requests=args.max_pending_requests,
         log_level=args.log_level,

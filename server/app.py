@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import time
 import uuid
 import weakref
@@ -38,7 +39,8 @@ from ksana_jax.outputs import CompletionOutput, RequestOutput
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.tokenizer import IncrementalDetokenizer, TemplateError
 from server import schemas as s
-from server.errors import EXCEPTION_HANDLERS, APIError, error_body
+from server.errors import EXCEPTION_HANDLERS, APIError, clip, error_body
+from server.limits import RequestLimits, check_body, check_stop
 from server.metrics import Metrics
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -49,9 +51,10 @@ Prompt = str | list[int]
 class ServerState:
     engine: AsyncEngine
     model_name: str
-    api_key: str | None
+    api_keys: tuple[str, ...]  # empty: no key needed
     max_pending_requests: int
     metrics: Metrics
+    limits: RequestLimits
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     pending: int = 0  # engine requests (one per prompt) queued or running
 
@@ -64,12 +67,27 @@ def _state(request: Request) -> ServerState:
 
 
 def _require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    key = connection.app.state.server.api_key
-    if key is None:
+    keys = connection.app.state.server.api_keys
+    if not keys:
         return
-    auth = connection.headers.get("authorization", "")
-    if auth != f"Bearer {key}":
+    auth = connection.headers.get("authorization", "").encode()
+    # Constant time, and every key compared: the time taken says nothing about any key.
+    matches = [hmac.compare_digest(auth, f"Bearer {key}".encode()) for key in keys]
+    if not any(matches):
         raise APIError(401, "missing or invalid API key (send `Authorization: Bearer KEY`)")
+
+
+_BODY_TYPES = {
+    "/v1/completions": s.CompletionRequest,
+    "/v1/chat/completions": s.ChatCompletionRequest,
+}
+
+
+async def _check_body(request: Request) -> None:
+    """Before a POST body is decoded: its depth, then its types, strictly (limits.py)."""
+    struct = _BODY_TYPES.get(request.url.path)
+    if struct is not None and request.method == "POST":
+        await check_body(request, struct, _state(request).limits)
 
 
 def _admit(state: ServerState, body: s._Sampling, num_prompts: int) -> None:
@@ -81,13 +99,15 @@ def _admit(state: ServerState, body: s._Sampling, num_prompts: int) -> None:
     if body.model is not None and body.model != state.model_name:
         raise APIError(
             404,
-            f"the model `{body.model}` does not exist; this server serves `{state.model_name}`",
+            f"the model `{clip(body.model)}` does not exist; this server serves "
+            f"`{state.model_name}`",
             param="model",
             code="model_not_found",
         )
     for name in s.UNSUPPORTED_FIELDS:
         if getattr(body, name) is not None:
             raise APIError(400, f"{name} is not supported by ksana-jax", param=name)
+    check_stop([body.stop] if isinstance(body.stop, str) else body.stop or [], state.limits)
     wanted = num_prompts * body.n
     if wanted > state.max_pending_requests:  # could never be admitted: the client's error
         raise APIError(
@@ -618,14 +638,22 @@ async def metrics(request: Request) -> Response:
 def create_app(
     engine: AsyncEngine,
     model_name: str = "ksana-jax",
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_pending_requests: int = 1024,
     max_body_bytes: int = MAX_BODY_BYTES,
+    limits: RequestLimits | None = None,
 ) -> Litestar:
-    """The Litestar app serving `engine` (an AsyncEngine, warmed up or warming up)."""
-    state = ServerState(engine, model_name, api_key, max_pending_requests, Metrics(engine))
+    """The Litestar app serving `engine` (an AsyncEngine, warmed up or warming up).
+
+    `api_key`: one key or several (any of them is accepted); None: no key needed.
+    """
+    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    state = ServerState(
+        engine, model_name, keys, max_pending_requests, Metrics(engine), limits or RequestLimits()
+    )
     return Litestar(
         route_handlers=[create_completion, create_chat_completion, list_models, health, metrics],
+        before_request=_check_body,
         state=State({"server": state}),
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=max_body_bytes,

@@ -26,6 +26,7 @@ from ksana_jax.demo import DEMO_NAME, cache_dir, resolve_model
 from ksana_jax.engine import LLMEngine
 from ksana_jax.model import load
 from server.app import create_app
+from server.limits import RequestLimits
 
 log = logging.getLogger("ksana_jax.server")
 
@@ -39,8 +40,11 @@ def serve(
     served_model_name: str | None = None,
     max_pending_requests: int = 1024,
     log_level: str = "info",
+    api_key_file: str | None = None,
+    limits: RequestLimits | None = None,
 ) -> None:
     start = time.perf_counter()
+    file_keys = read_api_keys(api_key_file) if api_key_file else []  # a bad file: fail first
     # A persistent compilation cache by default: a restart skips most of the warm-up.
     compile_cache = config.compilation_cache_dir or str(cache_dir() / "jax")
     jax.config.update("jax_compilation_cache_dir", compile_cache)
@@ -71,8 +75,10 @@ def serve(
     )
     async_engine = AsyncEngine(engine, warm_up=True)
     key_source = "flag" if api_key else "env" if os.environ.get("KSANA_API_KEY") else None
+    key_source = key_source or ("file" if file_keys else None)
     api_key = api_key or os.environ.get("KSANA_API_KEY")
-    app = create_app(async_engine, name, api_key, max_pending_requests)
+    keys = ([api_key] if api_key else []) + file_keys
+    app = create_app(async_engine, name, keys, max_pending_requests, limits=limits)
     app.on_startup.append(lambda: _announce(async_engine, host, port, name, start, key_source))
 
     def stop_engine() -> None:  # idempotent
@@ -90,14 +96,29 @@ def serve(
         stop_engine()
 
 
+def read_api_keys(path: str) -> list[str]:
+    """The keys in an --api-key-file: one a line; blank lines and `#` comments skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read --api-key-file {path}: {e}") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    if not keys:
+        raise ValueError(f"--api-key-file {path} holds no key")
+    return keys
+
+
 def _announce(
     engine: AsyncEngine, host: str, port: int, name: str, start: float, key_source: str | None
 ) -> None:
-    """Once warm-up is done, prints a curl line to paste. With an API key ("flag" or "env")
+    """Once warm-up is done, prints a curl line to paste. With an API key ("flag", "env", "file")
     the line reads it from $KSANA_API_KEY, so the key itself never reaches the log."""
     url = f"http://{host}:{port}"
     auth = ' -H "Authorization: Bearer $KSANA_API_KEY"' if key_source else ""
-    hint = "  (first: export KSANA_API_KEY=<your --api-key>)" if key_source == "flag" else ""
+    hint = {
+        "flag": "  (first: export KSANA_API_KEY=<your --api-key>)",
+        "file": "  (first: export KSANA_API_KEY=<a key from --api-key-file>)",
+    }.get(key_source or "", "")
 
     def wait() -> None:
         engine.ready.wait()
