@@ -18,7 +18,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from ksana_jax.engine import LLMEngine
+from ksana_jax.engine import LLMEngine, _Group
 from ksana_jax.outputs import RequestOutput
 from ksana_jax.runner import compile_count
 from ksana_jax.sampling_params import SamplingParams
@@ -70,7 +70,14 @@ class AsyncEngine:
         """Queues a request; returns an async iterator of its outputs (last one finished)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
-        group = self.engine.make_group(request_id, prompt, params, priority)
+        return await self.add_group(self.engine.make_group(request_id, prompt, params, priority))
+
+    async def add_group(self, group: _Group) -> AsyncIterator[RequestOutput]:
+        """Queues a request that `engine.make_group` made (in any thread: the server makes
+        them off the event loop); returns an async iterator of its outputs."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        request_id = group.request_id
         outputs: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:

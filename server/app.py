@@ -42,6 +42,7 @@ from server import schemas as s
 from server.errors import EXCEPTION_HANDLERS, APIError, clip, error_body
 from server.limits import RequestLimits, check_body, check_stop
 from server.metrics import Metrics
+from server.tokenize_pool import HostWork
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 Prompt = str | list[int]
@@ -55,6 +56,7 @@ class ServerState:
     max_pending_requests: int
     metrics: Metrics
     limits: RequestLimits
+    work: HostWork  # tokenizing and checking requests, off the event loop
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     pending: int = 0  # engine requests (one per prompt) queued or running
 
@@ -87,7 +89,8 @@ async def _check_body(request: Request) -> None:
     """Before a POST body is decoded: its depth, then its types, strictly (limits.py)."""
     struct = _BODY_TYPES.get(request.url.path)
     if struct is not None and request.method == "POST":
-        await check_body(request, struct, _state(request).limits)
+        state = _state(request)
+        await check_body(request, struct, state.limits, state.work.run)
 
 
 def _admit(state: ServerState, body: s._Sampling, num_prompts: int) -> None:
@@ -196,7 +199,7 @@ class _Run:
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                run.streams.append(await state.engine.add_request(rid, prompt, params))
+                run.streams.append(await _add_request(state, rid, prompt, params))
                 run.request_ids.append(rid)
                 state.pending += params.n
         except ValueError as e:
@@ -205,6 +208,9 @@ class _Run:
         except EngineDeadError as e:
             run.close()
             raise APIError(503, str(e)) from None
+        except BaseException:
+            run.close()
+            raise
         run.first_token = [None] * len(prompts)
         return run
 
@@ -266,6 +272,18 @@ class _Run:
         longest = max(len(c.token_ids) for c in out.outputs)
         if longest > 1:
             metrics.time_per_output_token.observe((now - first) / (longest - 1))
+
+
+async def _add_request(
+    state: ServerState, request_id: str, prompt: Prompt, params: SamplingParams
+) -> AsyncIterator[RequestOutput]:
+    """Tokenizes (a worker process) and checks (a worker thread) a prompt off the event loop,
+    then queues it."""
+    if state.engine.is_dead:
+        raise EngineDeadError(f"the engine stopped: {state.engine.error!r}")
+    token_ids = await state.work.encode(prompt) if isinstance(prompt, str) else prompt
+    group = await state.work.run(state.engine.engine.make_group, request_id, token_ids, params)
+    return await state.engine.add_group(group)
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -447,10 +465,11 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Any:
     tokenizer = state.engine.engine.tokenizer
     n, created = params.n, int(time.time())
 
-    def echo(out: RequestOutput) -> str:
+    def echo(i: int, out: RequestOutput) -> str:
         if not data.echo:
             return ""
-        return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+        text = prompts[i]
+        return text if isinstance(text, str) else tokenizer.decode(out.prompt_token_ids)
 
     offsets: dict[tuple[int, int], _TextOffsets] = {}  # per choice, over all its chunks
 
@@ -458,7 +477,7 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Any:
         logprobs = None
         if data.logprobs is not None:
             if (i, c.index) not in offsets:
-                start = len(echo(out))
+                start = len(echo(i, out))
                 skip = data.skip_special_tokens
                 offsets[i, c.index] = _TextOffsets(tokenizer, out, skip, start)
             logprobs = _completion_logprobs(
@@ -469,7 +488,7 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Any:
     if not data.stream:
         finals = await _collect(request, run)
         choices = [
-            choice(i, out, c, echo(out) + c.text, range(len(c.token_ids)))
+            choice(i, out, c, echo(i, out) + c.text, range(len(c.token_ids)))
             for i, out in enumerate(finals)
             for c in out.outputs
         ]
@@ -483,7 +502,7 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Any:
             first = (i, c.index) not in deltas.sent
             text, tokens, finished = deltas.new((i, c.index), c)
             if first:
-                text = echo(out) + text
+                text = echo(i, out) + text
             if text or tokens or finished:
                 result.append(
                     s.CompletionResponse(
@@ -506,7 +525,13 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Any:
 # ------------------------------------------------------------------------- chat
 
 
-def _chat_prompt(state: ServerState, data: s.ChatCompletionRequest) -> list[int]:
+async def _chat_prompt(state: ServerState, data: s.ChatCompletionRequest) -> list[int]:
+    """The chat template (a worker thread) applied and encoded (a worker process)."""
+    text = await state.work.run(_chat_text, state.engine.engine.tokenizer, data)
+    return await state.work.encode(text, add_special_tokens=False)
+
+
+def _chat_text(tokenizer, data: s.ChatCompletionRequest) -> str:
     messages = []
     for m in data.messages:
         content = m.content
@@ -516,14 +541,12 @@ def _chat_prompt(state: ServerState, data: s.ChatCompletionRequest) -> list[int]
         if m.name is not None:
             message["name"] = m.name
         messages.append(message)
-    tokenizer = state.engine.engine.tokenizer
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             messages, add_generation_prompt=data.add_generation_prompt
         )
     except (TemplateError, ValueError) as e:
         raise APIError(400, f"chat template: {e}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _chat_logprobs(tokenizer, choice: CompletionOutput, tokens: range, n_top: int):
@@ -556,7 +579,7 @@ async def create_chat_completion(request: Request, data: s.ChatCompletionRequest
     request.state.request_id = request_id
     try:
         params = _sampling_params(data, max_tokens, n_top if data.logprobs else None)
-        run = await _Run.start(state, request_id, [_chat_prompt(state, data)], params)
+        run = await _Run.start(state, request_id, [await _chat_prompt(state, data)], params)
     except APIError as e:
         raise _renamed(e, sent_as) from None
     tokenizer = state.engine.engine.tokenizer
@@ -642,16 +665,27 @@ def create_app(
     max_pending_requests: int = 1024,
     max_body_bytes: int = MAX_BODY_BYTES,
     limits: RequestLimits | None = None,
+    tokenizer_processes: int = 1,
 ) -> Litestar:
     """The Litestar app serving `engine` (an AsyncEngine, warmed up or warming up).
 
     `api_key`: one key or several (any of them is accepted); None: no key needed.
+    `tokenizer_processes`: worker processes encoding prompts (0: worker threads).
     """
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    work = HostWork(engine.engine.tokenizer, num_processes=tokenizer_processes)
     state = ServerState(
-        engine, model_name, keys, max_pending_requests, Metrics(engine), limits or RequestLimits()
+        engine,
+        model_name,
+        keys,
+        max_pending_requests,
+        Metrics(engine),
+        limits or RequestLimits(),
+        work,
     )
     return Litestar(
+        on_startup=[work.start],
+        on_shutdown=[work.shutdown],
         route_handlers=[create_completion, create_chat_completion, list_models, health, metrics],
         before_request=_check_body,
         state=State({"server": state}),
