@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import signal
 import sys
+import threading
 import time
 import types
 import typing
@@ -217,6 +220,21 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="characters a request's stop strings may hold together (default 4096)",
     )
     p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long running requests may finish before they are aborted "
+        "(default 30; SIGINT or a second signal aborts at once)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection whose request line and headers take longer (default 10)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -266,6 +284,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         api_key_file=args.api_key_file,
         limits=limits,
+        shutdown_timeout=args.shutdown_timeout,
+        header_timeout=args.header_timeout,
         served_model_name=args.served_model_name,
         max_pending_requests=args.max_pending_requests,
         log_level=args.log_level,
@@ -287,13 +307,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_interrupt(command: str) -> None:
+    """Ctrl-C (or SIGTERM) from now on prints one line and exits at once: a
+    KeyboardInterrupt raised while loading or compiling can land in a callback that swallows
+    it, or leave threads of an unfinished load or compile that the exit would wait for.
+    (`serve` replaces this with its own handling while uvicorn runs.)"""
+
+    def handler(signum: int, frame: object) -> None:
+        print(f"ksana-jax {command}: interrupted", file=sys.stderr, flush=True)
+        os._exit(130 if signum == signal.SIGINT else 143)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "convert" and argv is None:  # a process of its own, not a test's call
+        _exit_on_interrupt(args.command)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"ksana-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C while loading or compiling: one line, and out at once, without waiting for
+        # (or printing tracebacks from) the threads of an unfinished load or compile.
+        print(f"ksana-jax {args.command}: interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,12 @@ from litestar.openapi import OpenAPIConfig
 from litestar.response import Stream
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ksana_jax.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from ksana_jax.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestAbortedError,
+    RequestFailedError,
+)
 from ksana_jax.outputs import CompletionOutput, RequestOutput
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.tokenizer import IncrementalDetokenizer, TemplateError
@@ -57,6 +62,7 @@ class ServerState:
     metrics: Metrics
     limits: RequestLimits
     work: HostWork  # tokenizing and checking requests, off the event loop
+    draining: bool = False  # shutting down: no new requests
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     pending: int = 0  # engine requests (one per prompt) queued or running
 
@@ -97,6 +103,8 @@ def _admit(state: ServerState, body: s._Sampling, num_prompts: int) -> None:
     """Checks that do not depend on the prompt: readiness, model name, unsupported fields."""
     if state.engine.is_dead:
         raise APIError(503, "the engine stopped; see the server log")
+    if state.draining:
+        raise APIError(503, "the server is shutting down")
     if not state.engine.ready.is_set():
         raise APIError(503, "warming up (compiling the step shapes)", headers={"Retry-After": "5"})
     if body.model is not None and body.model != state.model_name:
@@ -281,6 +289,8 @@ async def _add_request(
     then queues it."""
     if state.engine.is_dead:
         raise EngineDeadError(f"the engine stopped: {state.engine.error!r}")
+    if state.draining:
+        raise APIError(503, "the server is shutting down")
     token_ids = await state.work.encode(prompt) if isinstance(prompt, str) else prompt
     group = await state.work.run(state.engine.engine.make_group, request_id, token_ids, params)
     return await state.engine.add_group(group)
@@ -322,7 +332,7 @@ def _raise_failure(exc: BaseException | None) -> None:
         return
     if isinstance(exc, RequestFailedError):
         raise APIError(500, f"the request failed: {exc}")
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, EngineDeadError | RequestAbortedError):
         raise APIError(503, str(exc))
     raise exc
 
@@ -357,7 +367,7 @@ def _event_stream(
                         yield _sse(chunk)
             for chunk in final():
                 yield _sse(chunk)
-        except (RequestFailedError, EngineDeadError) as e:
+        except (RequestFailedError, EngineDeadError, RequestAbortedError) as e:
             status = 500 if isinstance(e, RequestFailedError) else 503
             yield _sse(error_body(status, f"the request failed: {e}"))
         yield b"data: [DONE]\n\n"
@@ -647,6 +657,8 @@ async def health(request: Request) -> Response:
     engine = _state(request).engine
     if engine.is_dead:
         return Response({"status": "dead"}, status_code=503)
+    if _state(request).draining:
+        return Response({"status": "shutting down"}, status_code=503)
     if not engine.ready.is_set():
         return Response({"status": "warming up"}, status_code=503, headers={"Retry-After": "5"})
     return Response({"status": "ok"}, status_code=200)
@@ -656,6 +668,11 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     registry = _state(request).metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def stop_accepting(app: Litestar) -> None:
+    """From now on /health and new requests answer 503: the server is shutting down."""
+    app.state.server.draining = True
 
 
 def create_app(

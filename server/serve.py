@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 import uvicorn
+from litestar import Litestar
 
 from ksana_jax import multihost
 from ksana_jax.async_engine import AsyncEngine
@@ -25,8 +26,9 @@ from ksana_jax.config import EngineConfig
 from ksana_jax.demo import DEMO_NAME, cache_dir, resolve_model
 from ksana_jax.engine import LLMEngine
 from ksana_jax.model import load
-from server.app import create_app
+from server.app import create_app, stop_accepting
 from server.limits import RequestLimits
+from server.shutdown import Server, with_header_timeout
 
 log = logging.getLogger("ksana_jax.server")
 
@@ -42,6 +44,8 @@ def serve(
     log_level: str = "info",
     api_key_file: str | None = None,
     limits: RequestLimits | None = None,
+    shutdown_timeout: float = 30,
+    header_timeout: float = 10,
 ) -> None:
     start = time.perf_counter()
     file_keys = read_api_keys(api_key_file) if api_key_file else []  # a bad file: fail first
@@ -51,6 +55,7 @@ def serve(
     name = served_model_name or (
         "SmolLM2-135M-Instruct" if model == DEMO_NAME else Path(model).name or model
     )
+    print(f"ksana-jax: loading {model}", file=sys.stderr, flush=True)
     loaded = load(
         resolve_model(model), dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size
     )
@@ -79,21 +84,63 @@ def serve(
     api_key = api_key or os.environ.get("KSANA_API_KEY")
     keys = ([api_key] if api_key else []) + file_keys
     app = create_app(async_engine, name, keys, max_pending_requests, limits=limits)
-    app.on_startup.append(lambda: _announce(async_engine, host, port, name, start, key_source))
+    stopping: list[threading.Event] = []  # the server's, once it exists
+    app.on_startup.append(
+        lambda: _announce(async_engine, host, port, name, start, key_source, stopping[0])
+    )
 
     def stop_engine() -> None:  # idempotent
-        async_engine.shutdown()
+        # A warm-up compile cannot be interrupted: do not wait for it.
+        async_engine.shutdown(timeout=30 if async_engine.ready.is_set() else 0)
         if engine.runner.channel is not None:
             engine.runner.channel.close()  # the followers exit
             multihost.shutdown()  # waits until they have
 
-    # On SIGTERM uvicorn shuts the app down and then re-raises the signal, so the followers
-    # are released from the app's shutdown, not after uvicorn.run returns.
+    # The followers are released from the app's shutdown too, so that they go even if
+    # something after uvicorn's return fails.
     app.on_shutdown.append(stop_engine)
+    server = _server(app, async_engine, host, port, log_level, shutdown_timeout, header_timeout)
+    stopping.append(server.stopping)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        server.run()
     finally:
         stop_engine()
+    if server.stopping.is_set():
+        print(
+            f"ksana-jax: stopped; {server.num_aborted} request(s) aborted, KV cache usage "
+            f"{async_engine.engine.kv_cache_usage:.0%}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if not async_engine.ready.is_set():  # still compiling: nothing to wait for
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def _server(
+    app: Litestar,
+    engine: AsyncEngine,
+    host: str,
+    port: int,
+    log_level: str,
+    shutdown_timeout: float,
+    header_timeout: float,
+) -> Server:
+    """uvicorn, stopped as shutdown.py says."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=with_header_timeout(header_timeout),
+        # A backstop only: at shutdown_timeout every request is aborted, which ends them.
+        timeout_graceful_shutdown=int(shutdown_timeout) + 10,
+    )
+
+    def abort_all() -> int:
+        return engine.abort_all("the server is shutting down")
+
+    return Server(config, lambda: stop_accepting(app), abort_all, shutdown_timeout)
 
 
 def read_api_keys(path: str) -> list[str]:
@@ -109,7 +156,13 @@ def read_api_keys(path: str) -> list[str]:
 
 
 def _announce(
-    engine: AsyncEngine, host: str, port: int, name: str, start: float, key_source: str | None
+    engine: AsyncEngine,
+    host: str,
+    port: int,
+    name: str,
+    start: float,
+    key_source: str | None,
+    stopping: threading.Event,
 ) -> None:
     """Once warm-up is done, prints a curl line to paste. With an API key ("flag", "env", "file")
     the line reads it from $KSANA_API_KEY, so the key itself never reaches the log."""
@@ -122,7 +175,7 @@ def _announce(
 
     def wait() -> None:
         engine.ready.wait()
-        if engine.is_dead:
+        if engine.is_dead or stopping.is_set():  # never "ready" for a server that is going
             return
         print(
             f"ksana-jax: ready in {time.perf_counter() - start:.1f}s, serving {name} at {url}\n"

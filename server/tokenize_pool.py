@@ -74,9 +74,15 @@ class HostWork:
                 self._processes.submit(_encode_in_worker, "", False)
 
     def shutdown(self) -> None:
+        """Stops both pools without waiting; the worker processes are terminated (one may
+        still be starting up, and would hold the server's terminal open a while longer)."""
         self._threads.shutdown(wait=False, cancel_futures=True)
         if self._processes is not None:
+            workers = list((getattr(self._processes, "_processes", None) or {}).values())
             self._processes.shutdown(wait=False, cancel_futures=True)
+            for worker in workers:
+                worker.terminate()
+            self._processes = None
 
     async def _submit(self, pool: concurrent.futures.Executor, fn: Callable[..., T], *args) -> T:
         if self._queued >= self._max_queued:
