@@ -9,6 +9,7 @@ An existing OUTPUT_DIR is kept unless `force` is set.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 from collections.abc import Iterator
@@ -18,15 +19,29 @@ from checkpoints_tools import staging as staged
 from checkpoints_tools.hf import read_hf_dir
 from checkpoints_tools.source import ConversionError, Source
 from ksana_jax import checkpoint
+from ksana_jax.demo import DEMO_NAME, demo_gguf_path
 
 DTYPES = ("float32", "bfloat16")
 
 
+# The SmolLM2-Instruct model card's recommended sampling settings: the demo's GGUF carries no
+# generation config, and at the server's fallback (temperature 1) its answers wander.
+DEMO_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
 def read_source(path: str | Path, dtype: str | None = None) -> Source:
-    """Reads an HF checkpoint directory or a .gguf file; `dtype` None keeps the source's."""
-    path = Path(path)
+    """Reads an HF checkpoint directory or a .gguf file, or `demo` (the bundled
+    SmolLM2-135M-Instruct GGUF); `dtype` None keeps the source's."""
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"unsupported --dtype {dtype!r}; supported: {DTYPES}")
+    if str(path) == DEMO_NAME:
+        source = _read_path(demo_gguf_path(), dtype)
+        generation = {**(source.generation_config or {}), **DEMO_SAMPLING}
+        return dataclasses.replace(source, generation_config=generation)
+    return _read_path(Path(path), dtype)
+
+
+def _read_path(path: Path, dtype: str | None) -> Source:
     if not path.exists():
         raise ConversionError(f"{path} does not exist")
     if path.is_dir():
@@ -96,7 +111,7 @@ def write_checkpoint(source: Source, output_dir: str | Path, force: bool = False
 def convert(
     source_path: str | Path, output_dir: str | Path, dtype: str | None = None, force: bool = False
 ) -> Path:
-    """Reads SOURCE and writes the checkpoint directory; returns its path."""
+    """Reads SOURCE (or `demo`) and writes the checkpoint directory; returns its path."""
     output_dir = Path(output_dir)
     with _exclusive(output_dir, force):  # fails before the slow part
         _write_staged(read_source(source_path, dtype), output_dir)

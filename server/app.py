@@ -47,6 +47,7 @@ from server import schemas as s
 from server.errors import EXCEPTION_HANDLERS, APIError, clip, error_body
 from server.limits import RequestLimits, check_body, check_stop
 from server.metrics import Metrics
+from server.sampling_defaults import sampling_defaults
 from server.tokenize_pool import HostWork
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -62,6 +63,7 @@ class ServerState:
     metrics: Metrics
     limits: RequestLimits
     work: HostWork  # tokenizing and checking requests, off the event loop
+    sampling: tuple[tuple[str, Any], ...] = ()  # (field, default) for fields left out
     draining: bool = False  # shutting down: no new requests
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     pending: int = 0  # engine requests (one per prompt) queued or running
@@ -136,16 +138,16 @@ def _admit(state: ServerState, body: s._Sampling, num_prompts: int) -> None:
         )
 
 
-def _sampling_params(body: s._Sampling, max_tokens: int | None, logprobs: int | None):
+def _sampling_params(
+    state: ServerState, body: s._Sampling, max_tokens: int | None, logprobs: int | None
+):
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    # Fields the request left out take the model's defaults (sampling_defaults.py).
+    model = {k: v if getattr(body, k) is None else getattr(body, k) for k, v in state.sampling}
     try:
         return SamplingParams(
             n=body.n,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
+            **model,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             seed=body.seed,
@@ -468,7 +470,7 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Any:
     _admit(state, data, len(prompts))
     if data.echo and data.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
-    params = _sampling_params(data, data.max_tokens, data.logprobs)
+    params = _sampling_params(state, data, data.max_tokens, data.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     request.state.request_id = request_id
     run = await _Run.start(state, request_id, prompts, params)
@@ -588,7 +590,7 @@ async def create_chat_completion(request: Request, data: s.ChatCompletionRequest
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     request.state.request_id = request_id
     try:
-        params = _sampling_params(data, max_tokens, n_top if data.logprobs else None)
+        params = _sampling_params(state, data, max_tokens, n_top if data.logprobs else None)
         run = await _Run.start(state, request_id, [await _chat_prompt(state, data)], params)
     except APIError as e:
         raise _renamed(e, sent_as) from None
@@ -699,6 +701,7 @@ def create_app(
         Metrics(engine),
         limits or RequestLimits(),
         work,
+        tuple(sampling_defaults(engine.engine.model.generation_config).items()),
     )
     return Litestar(
         on_startup=[work.start],

@@ -28,6 +28,7 @@ from ksana_jax.engine import LLMEngine
 from ksana_jax.model import load
 from server.app import create_app, stop_accepting
 from server.limits import RequestLimits
+from server.sampling_defaults import described, sampling_defaults
 from server.shutdown import Server, with_header_timeout
 
 log = logging.getLogger("ksana_jax.server")
@@ -74,7 +75,8 @@ def serve(
     print(
         f"ksana-jax: loaded {name} in {time.perf_counter() - start:.1f}s, "
         f"{loaded.plan.describe()}, attention backend {engine.runner.backend}; compiling "
-        f"{shapes} step shapes before /health turns 200",
+        f"{shapes} step shapes before /health turns 200; sampling defaults: "
+        f"{described(sampling_defaults(loaded.generation_config))}",
         file=sys.stderr,
         flush=True,
     )
