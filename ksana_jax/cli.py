@@ -139,8 +139,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         "max_num_seqs": 1,
         "max_num_batched_tokens": 64,
     }
-    config |= {name: getattr(args, name) for name in _GENERATE_ENGINE_FLAGS}
-    config = {k: v for k, v in config.items() if v is not None}
+    given = {name: getattr(args, name) for name in _GENERATE_ENGINE_FLAGS}
+    config |= {name: value for name, value in given.items() if value is not None}
     llm = LLM(model, warm_up=False, **config)
     params = SamplingParams(
         temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens
