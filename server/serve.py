@@ -56,10 +56,9 @@ def serve(
     name = served_model_name or (
         "SmolLM2-135M-Instruct" if model == DEMO_NAME else Path(model).name or model
     )
+    path = resolve_model(model)  # `demo`: converted on first use (or its install hint)
     print(f"ksana-jax: loading {model}", file=sys.stderr, flush=True)
-    loaded = load(
-        resolve_model(model), dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size
-    )
+    loaded = load(path, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size)
     engine = LLMEngine(loaded, config)
     if multihost.is_follower():
         print(
