@@ -677,6 +677,11 @@ def stop_accepting(app: Litestar) -> None:
     app.state.server.draining = True
 
 
+def start_workers(app: Litestar) -> None:
+    """Spawns the tokenizer processes now, not at the first long prompt."""
+    app.state.server.work.start()
+
+
 def create_app(
     engine: AsyncEngine,
     model_name: str = "ksana-jax",
@@ -704,7 +709,6 @@ def create_app(
         tuple(sampling_defaults(engine.engine.model.generation_config).items()),
     )
     return Litestar(
-        on_startup=[work.start],
         on_shutdown=[work.shutdown],
         route_handlers=[create_completion, create_chat_completion, list_models, health, metrics],
         before_request=_check_body,

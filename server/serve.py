@@ -26,7 +26,7 @@ from ksana_jax.config import EngineConfig
 from ksana_jax.demo import DEMO_NAME, cache_dir, resolve_model
 from ksana_jax.engine import LLMEngine
 from ksana_jax.model import load
-from server.app import create_app, stop_accepting
+from server.app import create_app, start_workers, stop_accepting
 from server.limits import RequestLimits
 from server.sampling_defaults import described, sampling_defaults
 from server.shutdown import Server, with_header_timeout
@@ -85,6 +85,7 @@ def serve(
     api_key = api_key or os.environ.get("KSANA_API_KEY")
     keys = ([api_key] if api_key else []) + file_keys
     app = create_app(async_engine, name, keys, max_pending_requests, limits=limits)
+    app.on_startup.append(lambda: start_workers(app))
     stopping: list[threading.Event] = []  # the server's, once it exists
     app.on_startup.append(
         lambda: _announce(async_engine, host, port, name, start, key_source, stopping[0])

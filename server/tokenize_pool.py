@@ -31,6 +31,7 @@ log = logging.getLogger("ksana_jax.server")
 T = TypeVar("T")
 
 _worker_tokenizer: Tokenizer | None = None  # in each worker process
+INLINE_CHARS = 16384  # texts up to this long are encoded in a thread, not a process
 
 
 def _init_worker(tokenizer: Tokenizer) -> None:
@@ -62,7 +63,8 @@ class HostWork:
         self._queued = 0
 
     def start(self) -> None:
-        """Starts the worker processes now rather than at the first request (idempotent)."""
+        """Starts the worker processes now rather than at the first long prompt
+        (idempotent); `serve` calls it at startup."""
         if self._num_processes and self._processes is None:
             self._processes = concurrent.futures.ProcessPoolExecutor(
                 self._num_processes,
@@ -101,7 +103,8 @@ class HostWork:
         return await self._submit(self._threads, fn, *args)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> Sequence[int]:
-        if not self._num_processes:
+        # A short text encodes in a few milliseconds: a thread spares it the round trip.
+        if not self._num_processes or len(text) <= INLINE_CHARS:
             tokenizer = self._tokenizer
             encode = functools.partial(tokenizer.encode, add_special_tokens=add_special_tokens)
             return await self._submit(self._threads, encode, text)
