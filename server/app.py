@@ -697,7 +697,12 @@ def create_app(
     `tokenizer_processes`: worker processes encoding prompts (0: worker threads).
     """
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
-    work = HostWork(engine.engine.tokenizer, num_processes=tokenizer_processes)
+    # Queued tokenizing jobs are bounded like the requests in flight (--max-pending-requests).
+    work = HostWork(
+        engine.engine.tokenizer,
+        num_processes=tokenizer_processes,
+        max_queued=max_pending_requests,
+    )
     state = ServerState(
         engine,
         model_name,

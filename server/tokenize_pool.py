@@ -52,7 +52,7 @@ class HostWork:
         tokenizer: Tokenizer,
         num_processes: int = 1,
         num_threads: int = 2,
-        max_queued: int = 64,
+        max_queued: int = 1024,
     ):
         """`num_processes` 0 encodes in the threads instead (tests, tiny tokenizers)."""
         self._tokenizer = tokenizer
