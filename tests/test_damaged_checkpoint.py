@@ -22,6 +22,12 @@ from ksana_jax import checkpoint, cli
 REDO = "convert its source again: ksana-jax convert SOURCE"
 
 
+def error_lines(stderr: str) -> list[str]:
+    """stderr's lines but serve's progress line `ksana-jax: loading MODEL`, printed before."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return [line for line in lines if not line.startswith("ksana-jax: loading ")]
+
+
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("damaged")
@@ -127,7 +133,7 @@ def test_cli_prints_one_line_and_exits_2(damaged, command, capsys):
     argv = [command, str(ckpt)] + (["w5 w6", "--max-tokens", "2"] if command == "generate" else [])
     assert cli.main(argv) == 2
     captured = capsys.readouterr()
-    lines = [line for line in captured.err.splitlines() if line.strip()]
+    lines = error_lines(captured.err)
     assert len(lines) == 1, captured.err
     assert lines[0].startswith(f"ksana-jax {command}: error: ") and REDO in lines[0]
     assert "Traceback" not in captured.err
@@ -148,5 +154,5 @@ def test_truncated_params_in_a_process_of_its_own(good, tmp_path, command):
         cwd=Path(__file__).resolve().parents[1],
     )
     assert result.returncode == 2
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1 and "damaged or truncated" in lines[0], result.stderr
