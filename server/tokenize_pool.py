@@ -66,14 +66,18 @@ class HostWork:
         """Starts the worker processes now rather than at the first long prompt
         (idempotent); `serve` calls it at startup."""
         if self._num_processes and self._processes is None:
-            self._processes = concurrent.futures.ProcessPoolExecutor(
-                self._num_processes,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(self._tokenizer,),
-            )
-            for _ in range(self._num_processes):  # spawns them, in the background
-                self._processes.submit(_encode_in_worker, "", False)
+            try:
+                self._processes = concurrent.futures.ProcessPoolExecutor(
+                    self._num_processes,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_init_worker,
+                    initargs=(self._tokenizer,),
+                )
+                for _ in range(self._num_processes):  # spawns them, in the background
+                    self._processes.submit(_encode_in_worker, "", False)
+            except Exception as e:  # e.g. a tokenizer that cannot be pickled
+                log.warning("tokenizing in threads: no worker process (%r)", e)
+                self._num_processes, self._processes = 0, None
 
     def shutdown(self) -> None:
         """Stops both pools without waiting; the worker processes are terminated (one may
@@ -109,6 +113,8 @@ class HostWork:
             encode = functools.partial(tokenizer.encode, add_special_tokens=add_special_tokens)
             return await self._submit(self._threads, encode, text)
         self.start()
+        if self._processes is None:  # it could not start
+            return await self.encode(text, add_special_tokens)
         try:
             return await self._submit(self._processes, _encode_in_worker, text, add_special_tokens)
         except concurrent.futures.process.BrokenProcessPool:

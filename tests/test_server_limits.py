@@ -230,3 +230,68 @@ def test_api_key_file(tmp_path, capsys):
 def test_limits_must_be_positive(capsys):
     assert cli.main(["serve", "demo", "--max-stop-strings", "0"]) == 2
     assert "max_stop_strings must be >= 1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- host work
+
+
+class _Words:
+    """A stand-in tokenizer: one id per word. Holds a lock, so it cannot be pickled."""
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [len(w) for w in text.split()]
+
+
+def test_host_work_encodes_long_texts_in_a_process(tmp_path):
+    import asyncio
+
+    from ksana_jax.tokenizer import Tokenizer
+    from server.tokenize_pool import INLINE_CHARS, HostWork
+
+    write_tiny_hf(tmp_path)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    work = HostWork(tokenizer, num_processes=1)
+    text = "w5 w6 w7 " * (INLINE_CHARS // 4)
+
+    async def main():
+        return await work.encode(text), await work.encode("w5 w6")
+
+    try:
+        long, short = asyncio.run(main())
+    finally:
+        work.shutdown()
+    assert list(long) == tokenizer.encode(text) and list(short) == [5, 6]
+
+
+def test_host_work_queue_is_bounded_and_falls_back_to_threads(caplog):
+    import asyncio
+    import threading
+
+    from server.errors import APIError
+    from server.tokenize_pool import INLINE_CHARS, HostWork
+
+    work = HostWork(_Words(), num_processes=1, max_queued=1)
+    release = threading.Event()
+
+    async def main():
+        blocked = asyncio.ensure_future(work.run(release.wait))
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as info:
+            await work.run(len, "x")
+        assert info.value.status == 503 and info.value.headers["Retry-After"]
+        release.set()
+        await blocked
+        # The tokenizer cannot go to a process: a warning, and threads do the work.
+        return await work.encode("a bb ccc " * INLINE_CHARS)
+
+    try:
+        ids = asyncio.run(main())
+    finally:
+        work.shutdown()
+    assert ids[:3] == [1, 2, 3]
+    assert "tokenizing in threads" in caplog.text
