@@ -51,8 +51,9 @@ def lock_path(out: Path) -> Path:
 
 
 def _stale_names(out: Path) -> re.Pattern:
-    # `.NAME.staging-XXXXXXXX`, and `.NAME.XXXXXXXX` from converts before this module existed.
-    return re.compile(rf"\.{re.escape(out.name)}\.(staging-)?[a-z0-9_]{{8}}")
+    # Only this module's own names: `.NAME.XXXXXXXX` (what converts before it left) could
+    # just as well be a user's `.NAME.backup01`.
+    return re.compile(rf"\.{re.escape(out.name)}\.staging-[a-z0-9_]{{8}}")
 
 
 @contextlib.contextmanager

@@ -126,11 +126,13 @@ def test_stale_staging_is_removed_by_the_next_convert_only(tmp_path, sources, fl
     assert len(left) == 2 and staging.lock_path(out).name in left, left
     (stale,) = [n for n in left if n.startswith(".ckpt.staging-")]
     assert (tmp_path / stale / "params").is_dir()  # a complete, never swapped-in checkpoint
-    # Staging directories of other targets and other files are not touched.
+    # Staging directories of other targets, and a user's own files, are not touched.
     (tmp_path / ".other.staging-abcdefgh").mkdir()
+    (tmp_path / ".ckpt.backup01").mkdir()
     (tmp_path / ".ckpt.notes").write_text("mine")
     convert(new, out, force=True)
-    assert sorted(os.listdir(tmp_path)) == [".ckpt.notes", ".other.staging-abcdefgh", "ckpt"]
+    mine = [".ckpt.backup01", ".ckpt.notes", ".other.staging-abcdefgh", "ckpt"]
+    assert sorted(os.listdir(tmp_path)) == mine
     assert which(out, flats) == "new"
 
 
