@@ -1,30 +1,47 @@
 """`ksana-jax convert SOURCE OUTPUT_DIR`: HF directory or GGUF file -> checkpoint directory.
 
-The output (layout in ksana_jax/checkpoint.py) is written into a temporary sibling directory
-and renamed into place only when complete, so a half-written directory is never loadable.
+The output (layout in ksana_jax/checkpoint.py) is written into a staging directory beside
+OUTPUT_DIR and swapped into place only when complete, under a lock that keeps a second
+convert out (output_dir.py): OUTPUT_DIR always holds a complete checkpoint, old or new.
 An existing OUTPUT_DIR is kept unless `force` is set.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
-import os
 import shutil
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
+from checkpoints_tools import staging as staged
 from checkpoints_tools.hf import read_hf_dir
 from checkpoints_tools.source import ConversionError, Source
 from ksana_jax import checkpoint
+from ksana_jax.demo import DEMO_NAME, demo_gguf_path
 
 DTYPES = ("float32", "bfloat16")
 
 
+# The SmolLM2-Instruct model card's recommended sampling settings: the demo's GGUF carries no
+# generation config, and at the server's fallback (temperature 1) its answers wander.
+DEMO_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
 def read_source(path: str | Path, dtype: str | None = None) -> Source:
-    """Reads an HF checkpoint directory or a .gguf file; `dtype` None keeps the source's."""
-    path = Path(path)
+    """Reads an HF checkpoint directory or a .gguf file, or `demo` (the bundled
+    SmolLM2-135M-Instruct GGUF); `dtype` None keeps the source's."""
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"unsupported --dtype {dtype!r}; supported: {DTYPES}")
+    if str(path) == DEMO_NAME:
+        source = _read_path(demo_gguf_path(), dtype)
+        generation = {**(source.generation_config or {}), **DEMO_SAMPLING}
+        return dataclasses.replace(source, generation_config=generation)
+    return _read_path(Path(path), dtype)
+
+
+def _read_path(path: Path, dtype: str | None) -> Source:
     if not path.exists():
         raise ConversionError(f"{path} does not exist")
     if path.is_dir():
@@ -44,15 +61,25 @@ def _check_output_dir(output_dir: Path, force: bool) -> None:
         raise ConversionError(f"{output_dir} exists and is not a directory")
 
 
-def write_checkpoint(source: Source, output_dir: str | Path, force: bool = False) -> Path:
-    """Writes `source` as a checkpoint directory at `output_dir`, atomically."""
-    output_dir = Path(output_dir)
-    if output_dir.exists() and not force:
-        raise ConversionError(f"{output_dir} already exists; pass --force to overwrite it")
+@contextlib.contextmanager
+def _exclusive(output_dir: Path, force: bool) -> Iterator[None]:
+    """OUTPUT_DIR's lock held, stale staging directories removed, OUTPUT_DIR re-checked
+    (a convert that finished while this one started makes it exist now)."""
     _check_output_dir(output_dir, force)
     try:
         output_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
+    except OSError as e:
+        raise ConversionError(f"cannot create {output_dir}: {e}") from e
+    with staged.locked(output_dir):
+        staged.remove_stale(output_dir)
+        _check_output_dir(output_dir, force)
+        yield
+
+
+def _write_staged(source: Source, output_dir: Path) -> None:
+    """Writes `source` into a staging directory beside `output_dir`, then swaps it in."""
+    try:
+        staging = staged.make_staging(output_dir)
     except OSError as e:
         raise ConversionError(f"cannot create {output_dir}: {e}") from e
     try:
@@ -66,20 +93,26 @@ def write_checkpoint(source: Source, output_dir: str | Path, force: bool = False
                 json.dumps(source.generation_config, indent=2) + "\n"
             )
         checkpoint.save_params(staging / checkpoint.PARAMS_DIR, source.params)
-        checkpoint.write_layout(staging)
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        os.rename(staging, output_dir)
+        checkpoint.write_layout(staging)  # the marker, last: only a complete directory has it
+        staged.swap_in(staging, output_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def write_checkpoint(source: Source, output_dir: str | Path, force: bool = False) -> Path:
+    """Writes `source` as a checkpoint directory at `output_dir`, atomically and exclusively."""
+    output_dir = Path(output_dir)
+    with _exclusive(output_dir, force):
+        _write_staged(source, output_dir)
     return output_dir
 
 
 def convert(
     source_path: str | Path, output_dir: str | Path, dtype: str | None = None, force: bool = False
 ) -> Path:
-    """Reads SOURCE and writes the checkpoint directory; returns its path."""
+    """Reads SOURCE (or `demo`) and writes the checkpoint directory; returns its path."""
     output_dir = Path(output_dir)
-    _check_output_dir(output_dir, force)  # fail before the slow part
-    return write_checkpoint(read_source(source_path, dtype), output_dir, force)
+    with _exclusive(output_dir, force):  # fails before the slow part
+        _write_staged(read_source(source_path, dtype), output_dir)
+    return output_dir

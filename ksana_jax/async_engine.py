@@ -18,7 +18,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from ksana_jax.engine import LLMEngine
+from ksana_jax.engine import LLMEngine, _Group
 from ksana_jax.outputs import RequestOutput
 from ksana_jax.runner import compile_count
 from ksana_jax.sampling_params import SamplingParams
@@ -30,6 +30,10 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """Processing one request raised; that request ended, the engine goes on."""
+
+
+class RequestAbortedError(RuntimeError):
+    """`abort_all` ended the request (the server is shutting down); its pages are freed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +74,14 @@ class AsyncEngine:
         """Queues a request; returns an async iterator of its outputs (last one finished)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
-        group = self.engine.make_group(request_id, prompt, params, priority)
+        return await self.add_group(self.engine.make_group(request_id, prompt, params, priority))
+
+    async def add_group(self, group: _Group) -> AsyncIterator[RequestOutput]:
+        """Queues a request that `engine.make_group` made (in any thread: the server makes
+        them off the event loop); returns an async iterator of its outputs."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        request_id = group.request_id
         outputs: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
@@ -93,8 +104,8 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await outputs.get()
-                if isinstance(item, ValueError):
-                    finished = True
+                if isinstance(item, ValueError | RequestAbortedError):
+                    finished = True  # (an aborted one is aborted in the engine already)
                     raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped: {item!r}") from item
@@ -111,6 +122,16 @@ class AsyncEngine:
         with self._lock:
             self._streams.pop(request_id, None)
         self._commands.put(lambda: self.engine.abort_request(request_id))
+
+    def abort_all(self, reason: str) -> int:
+        """Ends every request now, from any thread: each stream raises RequestAbortedError
+        (`reason`) and the engine thread frees the requests' pages. Returns how many."""
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._deliver(RequestAbortedError(reason), request_id)
+            self._commands.put(lambda rid=request_id: self.engine.abort_request(rid))
+        return len(request_ids)
 
     @property
     def is_dead(self) -> bool:
@@ -131,10 +152,12 @@ class AsyncEngine:
             compilations=compile_count(),
         )
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 30) -> None:
+        """Stops the engine thread after the commands already queued (aborts included);
+        waits up to `timeout` seconds (a warm-up compile is not interrupted)."""
         self._stopped.set()
         self._commands.put(lambda: None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
 
     def _deliver(self, output: RequestOutput | BaseException, request_id: str) -> None:
         with self._lock:

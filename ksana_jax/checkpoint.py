@@ -10,13 +10,23 @@ A checkpoint directory (written by checkpoints_tools, read by `ksana_jax.load`):
 
 Params are stored flat ("layers.wq", ...) so the tree has no None leaves; restore takes an
 abstract tree and can place every array straight into a sharding.
+
+A directory is a checkpoint when it holds params_layout.json (written last, so only a
+complete directory has it) or params/ (checkpoints from before that file): such a directory
+is never read as a Hugging Face one. Loading checks it before the slow restore: every file
+there, JSON parsed, config.json's shapes against the shapes params/ records. A damaged
+checkpoint raises `CheckpointError` (a ValueError) naming the file or parameter, in one line
+that says to convert again; the CLI prints that line, not a traceback.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +34,7 @@ import orbax.checkpoint as ocp
 
 from ksana_jax.config import ModelConfig
 from ksana_jax.models import registry
+from ksana_jax.tokenizer import TOKENIZER_JSON, TOKENIZER_MODEL, Tokenizer
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
@@ -35,8 +46,113 @@ LAYOUT_FILE = "params_layout.json"
 LAYOUT = {"matrices": "out_in"}
 
 
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# Read later, but parsed up front so a damaged one is named before the slow restore.
+_OPTIONAL_JSON = (LAYOUT_FILE, GENERATION_CONFIG_FILE, TOKENIZER_JSON, TOKENIZER_CONFIG_FILE)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names what and where."""
+
+
 def is_checkpoint_dir(path: Path) -> bool:
-    return (path / CONFIG_FILE).is_file() and (path / PARAMS_DIR).is_dir()
+    """True for a directory `ksana-jax convert` wrote (complete or damaged), by its own files."""
+    path = Path(path)
+    return path.is_dir() and ((path / LAYOUT_FILE).exists() or (path / PARAMS_DIR).exists())
+
+
+def _redo(path: Path) -> str:
+    return f"convert its source again: ksana-jax convert SOURCE {path} --force"
+
+
+def _damaged(path: Path, what: str, why: object) -> CheckpointError:
+    why = " ".join(str(why).split())  # one line
+    if len(why) > 200:
+        why = why[:200] + "..."
+    return CheckpointError(f"{what} in {path} is damaged ({why}); {_redo(path)}")
+
+
+def _read_json(path: Path, name: str) -> Any:
+    try:
+        return json.loads((path / name).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{name} is missing from {path}; {_redo(path)}") from None
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise _damaged(path, name, e) from None
+
+
+def validate(path: Path) -> ModelConfig:
+    """Checks a checkpoint directory before anything slow reads it; returns its config.
+
+    Raises CheckpointError naming the first missing or unreadable file, or the first
+    parameter whose stored shape differs from what config.json implies.
+    """
+    path = Path(path)
+    config = read_config(path)
+    for name in _OPTIONAL_JSON:  # a missing params_layout.json: load_params says why
+        if (path / name).exists():
+            _read_json(path, name)
+    if not (path / TOKENIZER_JSON).is_file() and not (path / TOKENIZER_MODEL).is_file():
+        raise CheckpointError(
+            f"{TOKENIZER_JSON} (or {TOKENIZER_MODEL}) is missing from {path}; {_redo(path)}"
+        )
+    check_param_shapes(path, config)
+    return config
+
+
+def read_config(path: Path) -> ModelConfig:
+    hf = _read_json(Path(path), CONFIG_FILE)
+    try:
+        return ModelConfig.from_hf_dict(hf)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _damaged(Path(path), CONFIG_FILE, e) from None
+
+
+def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape as params/ records it (its metadata; no array is read)."""
+    params = Path(path) / PARAMS_DIR
+    if not params.is_dir():
+        raise CheckpointError(f"{PARAMS_DIR}/ is missing from {path}; {_redo(path)}")
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            tree = checkpointer.metadata(params.absolute()).item_metadata
+        return {name: tuple(meta.shape) for name, meta in dict(tree).items()}
+    except Exception as e:  # orbax raises many kinds (JSON, FileNotFound, ValueError, ...)
+        raise _damaged(path, f"{PARAMS_DIR}/ (its metadata)", e) from None
+
+
+def check_param_shapes(path: Path, config: ModelConfig) -> None:
+    """Raises CheckpointError when config.json's parameter shapes are not the stored ones."""
+    stored = stored_shapes(path)
+    for name, shape in registry.param_shapes(config).items():
+        if name not in stored:
+            raise CheckpointError(
+                f"parameter {name} (which {CONFIG_FILE} implies) is not in {path / PARAMS_DIR}; "
+                f"{_redo(path)}"
+            )
+        if tuple(stored[name]) != tuple(shape):
+            raise CheckpointError(
+                f"{CONFIG_FILE} in {path} does not match its params: parameter {name} is stored "
+                f"as {tuple(stored[name])} but {CONFIG_FILE} implies {tuple(shape)}; {_redo(path)}"
+            )
+
+
+def read_tokenizer(path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_dir(path)
+    except Exception as e:  # tokenizers / sentencepiece raise their own kinds
+        names = [n for n in (TOKENIZER_JSON, TOKENIZER_MODEL) if (Path(path) / n).is_file()]
+        raise _damaged(Path(path), " / ".join(names) or "the tokenizer", e) from None
+
+
+def read_generation_config(path: Path) -> dict[str, Any]:
+    """generation_config.json's contents ({} when the source had none)."""
+    if not (Path(path) / GENERATION_CONFIG_FILE).exists():
+        return {}
+    data = _read_json(Path(path), GENERATION_CONFIG_FILE)
+    if not isinstance(data, dict):
+        raise _damaged(Path(path), GENERATION_CONFIG_FILE, "not a JSON object")
+    return data
 
 
 def write_layout(path: Path) -> None:
@@ -55,10 +171,6 @@ def save_params(path: Path, params: registry.Params) -> None:
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(Path(path).absolute(), registry.params_to_flat(params))
     checkpointer.wait_until_finished()
-
-
-def read_config(path: Path) -> ModelConfig:
-    return ModelConfig.from_hf_dict(json.loads((Path(path) / CONFIG_FILE).read_text()))
 
 
 def load_params(
@@ -84,6 +196,64 @@ def load_params(
         )
         for name, shape in registry.param_shapes(cfg).items()
     }
-    with ocp.StandardCheckpointer() as checkpointer:
-        flat = checkpointer.restore((Path(path) / PARAMS_DIR).absolute(), abstract)
+    previous_hook = _quiet_late_reads()
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            flat = checkpointer.restore((Path(path) / PARAMS_DIR).absolute(), abstract)
+    except Exception as e:  # TensorStore and orbax errors: name the parameter
+        name = _failed_param(e)
+        what = f"parameter {name}" if name else "a parameter"
+        raise CheckpointError(
+            f"{what} in {Path(path) / PARAMS_DIR} is damaged or truncated "
+            f"({_first_line(e)}); {_redo(Path(path))}"
+        ) from None
+    sys.unraisablehook = previous_hook  # nothing failed, so nothing late to silence
     return registry.params_from_flat(flat)
+
+
+def _quiet_late_reads() -> Callable[[Any], None]:
+    """After a failed restore, TensorStore's reads of the other parameters finish after
+    orbax has closed its event loop: each reports "Event loop is closed", and each of
+    orbax's read coroutines left unfinished reports its own read error, as unraisable
+    exceptions (tracebacks on stderr, some during the restore). Installed for the restore
+    and kept after a failure, which is reported once already: drops exactly those, passes
+    the rest on. Returns the hook it replaced."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_ksana_quiet", False):
+        return previous
+
+    def hook(unraisable: Any) -> None:
+        exc, obj = unraisable.exc_value, unraisable.object
+        code = getattr(obj, "cr_code", None)
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        if code is not None and "orbax" in code.co_filename:
+            return
+        previous(unraisable)
+
+    hook._ksana_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+    return previous
+
+
+_READING = re.compile(r'Error reading "([^"/]+)/')
+_KVSTORE_PATH = re.compile(r"'path': '([^'/]+)/'")
+
+
+def _failed_param(e: BaseException) -> str | None:
+    """The parameter a TensorStore error names (it reads NAME/CHUNK from the OCDBT store)."""
+    seen: BaseException | None = e
+    while seen is not None:
+        for pattern in (_READING, _KVSTORE_PATH):
+            if match := pattern.search(str(seen)):
+                return match.group(1)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    """The innermost cause's message, cut to one short line."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = " ".join(str(e).split(" See full TensorStore details")[0].split())
+    return text[:200] + ("..." if len(text) > 200 else "")

@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import signal
 import sys
+import threading
 import time
 import types
 import typing
@@ -31,7 +34,11 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         ".gguf file) into a ksana-jax checkpoint directory (config.json, orbax params, "
         "tokenizer files), written atomically.",
     )
-    p.add_argument("source", metavar="SOURCE", help="HF checkpoint directory or .gguf file")
+    p.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="HF checkpoint directory, .gguf file, or `demo` (the bundled SmolLM2-135M-Instruct)",
+    )
     p.add_argument("output_dir", metavar="OUTPUT_DIR", help="checkpoint directory to create")
     p.add_argument(
         "--dtype",
@@ -88,13 +95,34 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="parameter dtype (default: the checkpoint's)",
     )
+    add_engine_flags(p, only=_GENERATE_ENGINE_FLAGS, defaults_none=True)
     p.set_defaults(run=_run_generate)
+
+
+# The engine flags `generate` takes (defaults: one request, see _run_generate).
+_GENERATE_ENGINE_FLAGS = (
+    "max_model_len",
+    "page_size",
+    "num_pages",
+    "kv_cache_memory_gib",
+    "kv_cache_dtype",
+    "max_num_batched_tokens",
+    "attention_backend",
+    "tensor_parallel_size",
+    "compilation_cache_dir",
+)
+
+
+# Shown with a progress bar on stderr: outputs this long take minutes on a CPU.
+PROGRESS_TOKENS = 128
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from ksana_jax import LLM, SamplingParams, load
     from ksana_jax.demo import resolve_model
 
+    if args.chat and not args.prompt.strip():
+        raise ValueError("PROMPT is empty; --chat sends it as the user's message")
     model = load(resolve_model(args.model), dtype=args.dtype)
     tok = model.tokenizer
     if args.chat:
@@ -102,17 +130,22 @@ def _run_generate(args: argparse.Namespace) -> int:
         prompt_ids = tok.encode(text, add_special_tokens=False)
     else:
         prompt_ids = tok.encode(args.prompt)
-    max_model_len = min(
-        model.config.max_position_embeddings, max(2048, len(prompt_ids) + args.max_tokens)
-    )
-    # One request: compile only the shapes it uses instead of warming up every bucket.
-    llm = LLM(
-        model, warm_up=False, max_model_len=max_model_len, max_num_seqs=1, max_num_batched_tokens=64
-    )
+    # One request: compile only the shapes it uses instead of warming up every bucket. The
+    # engine flags given on the command line override these defaults.
+    config = {
+        "max_model_len": min(
+            model.config.max_position_embeddings, max(2048, len(prompt_ids) + args.max_tokens)
+        ),
+        "max_num_seqs": 1,
+        "max_num_batched_tokens": 64,
+    }
+    given = {name: getattr(args, name) for name in _GENERATE_ENGINE_FLAGS}
+    config |= {name: value for name, value in given.items() if value is not None}
+    llm = LLM(model, warm_up=False, **config)
     params = SamplingParams(
         temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens
     )
-    out = llm.generate([prompt_ids], params, use_tqdm=False)[0].outputs[0]
+    out = _generate_with_progress(llm, prompt_ids, params)
     if args.json:
         print(
             json.dumps(
@@ -125,6 +158,30 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_with_progress(llm, prompt_ids: list[int], params):
+    """The finished output; a token-count progress bar on stderr for long outputs (opened
+    at the first output, so that a request the engine refuses prints only its error)."""
+    from tqdm import tqdm
+
+    long = (params.max_tokens or 0) >= PROGRESS_TOKENS
+    bar = None
+    try:
+        for out in llm.stream(prompt_ids, params):
+            if bar is None:
+                bar = tqdm(
+                    total=params.max_tokens,
+                    unit="tok",
+                    file=sys.stderr,
+                    disable=not long,
+                    leave=False,
+                )
+            bar.update(len(out.outputs[0].token_ids) - bar.n)
+    finally:
+        if bar is not None:
+            bar.close()
+    return out.outputs[0]
+
+
 def _int_tuple(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in text.split(",") if v.strip())
@@ -132,11 +189,25 @@ def _int_tuple(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field: `--field-name`, typed and defaulted from the field."""
-    group = parser.add_argument_group("engine (EngineConfig fields)")
+def add_engine_flags(
+    parser: argparse.ArgumentParser,
+    only: Sequence[str] | None = None,
+    defaults_none: bool = False,
+) -> None:
+    """One flag per EngineConfig field: `--field-name`, typed and defaulted from the field.
+
+    `only`: just these fields; `defaults_none`: every flag defaults to None (not given), for
+    a command whose own defaults differ from EngineConfig's.
+    """
+    title = "engine (EngineConfig fields)"
+    if defaults_none:
+        title += "; defaults for one request: max_model_len = prompt + --max-tokens (at "
+        title += "least 2048, at most the model's context), max_num_batched_tokens 64"
+    group = parser.add_argument_group(title)
     hints = typing.get_type_hints(EngineConfig)
     for field in dataclasses.fields(EngineConfig):
+        if only is not None and field.name not in only:
+            continue
         hint = hints[field.name]
         options: dict[str, Any] = {"default": field.default, "dest": field.name}
         args = typing.get_args(hint)
@@ -152,7 +223,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if field.metadata.get("choices"):
             options["choices"] = field.metadata["choices"]
         help_text = field.metadata.get("help", "")
-        if field.default not in (None, ()):
+        if defaults_none:
+            options["default"] = None  # the command's own default, which its help gives
+        elif field.default not in (None, ()):
             help_text += f" (default: {field.default})"
         options["help"] = help_text
         group.add_argument("--" + field.name.replace("_", "-"), **options)
@@ -187,6 +260,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "else no key)",
     )
     p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="accept any of the keys in FILE (one a line; blank lines and # comments "
+        "skipped), besides --api-key",
+    )
+    p.add_argument(
         "--served-model-name",
         default=None,
         help="the model name clients send and /v1/models lists (default: from MODEL)",
@@ -196,6 +276,33 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1024,
         help="sequences (prompts x n) queued or running before new requests get 503 (default 1024)",
+    )
+    p.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=16,
+        help="stop strings a request may send (default 16; more is a 400)",
+    )
+    p.add_argument(
+        "--max-stop-chars",
+        type=int,
+        default=4096,
+        help="characters a request's stop strings may hold together (default 4096)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long running requests may finish before they are aborted "
+        "(default 30; SIGINT or a second signal aborts at once)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection whose request line and headers take longer (default 10)",
     )
     p.add_argument(
         "--log-level",
@@ -234,12 +341,21 @@ def _run_serve(args: argparse.Namespace) -> int:
         from ksana_jax import multihost
 
         multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    from server.limits import RequestLimits
+
+    limits = RequestLimits(
+        max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars
+    )
     serve(
         args.model,
         engine_config_from_args(args),
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        api_key_file=args.api_key_file,
+        limits=limits,
+        shutdown_timeout=args.shutdown_timeout,
+        header_timeout=args.header_timeout,
         served_model_name=args.served_model_name,
         max_pending_requests=args.max_pending_requests,
         log_level=args.log_level,
@@ -261,13 +377,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_interrupt(command: str) -> None:
+    """Ctrl-C (or SIGTERM) from now on prints one line and exits at once: a
+    KeyboardInterrupt raised while loading or compiling can land in a callback that swallows
+    it, or leave threads of an unfinished load or compile that the exit would wait for.
+    (`serve` replaces this with its own handling while uvicorn runs.)"""
+
+    def handler(signum: int, frame: object) -> None:
+        print(f"ksana-jax {command}: interrupted", file=sys.stderr, flush=True)
+        os._exit(130 if signum == signal.SIGINT else 143)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "convert" and argv is None:  # a process of its own, not a test's call
+        _exit_on_interrupt(args.command)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"ksana-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C while loading or compiling: one line, and out at once, without waiting for
+        # (or printing tracebacks from) the threads of an unfinished load or compile.
+        print(f"ksana-jax {args.command}: interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
 
 
 if __name__ == "__main__":

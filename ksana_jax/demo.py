@@ -2,8 +2,11 @@
 
 `demo_checkpoint()` finds the package's Q4_1 GGUF, converts it once into the user cache
 directory ($XDG_CACHE_HOME/ksana-jax, default ~/.cache/ksana-jax) and returns that checkpoint
-directory; later calls reuse it. The CLI accepts `demo` wherever it takes a MODEL, and a
-Hugging Face id `org/name` (`resolve_model`, hub.py).
+directory; later calls reuse it. `demo` is accepted wherever a MODEL or a convert SOURCE is
+(`ksana-jax convert demo OUT`, `ksana_jax.load("demo")`, `LLM("demo")`), and so is a Hugging
+Face id `org/name` (`resolve_model`, hub.py). The converted demo's generation_config.json
+carries the model card's recommended sampling (temperature 0.2, top_p 0.9), which the server
+uses as its defaults.
 """
 
 from __future__ import annotations
@@ -38,15 +41,39 @@ def cache_dir() -> Path:
 
 
 def demo_checkpoint() -> Path:
-    """The converted demo checkpoint directory, converting it on first use."""
-    out = cache_dir() / "SmolLM2-135M-Instruct"
-    if not (checkpoint.is_checkpoint_dir(out) and checkpoint.has_current_layout(out)):
-        from checkpoints_tools import convert  # conversion lives above the engine
+    """The converted demo checkpoint directory, converting it on first use.
 
-        gguf = demo_gguf_path()
+    Two processes starting at once (two servers, a server and a test) do not both convert:
+    the second waits for the first's convert to finish and uses its output.
+    """
+    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if _is_current(out):
+        return out
+    # Conversion lives above the engine: imported only when needed.
+    from checkpoints_tools import convert, staging
+
+    demo_gguf_path()  # the install hint first, if the package is missing
+    try:
         print(f"converting the demo model into {out} (once)", file=sys.stderr)
-        convert(gguf, out, force=True)
+        convert(DEMO_NAME, out, force=True)
+    except staging.OutputLockedError:
+        print("waiting for another process converting the demo model", file=sys.stderr)
+        with staging.locked(out, wait=True):
+            pass
+        if not _is_current(out):
+            convert(DEMO_NAME, out, force=True)
     return out
+
+
+def _is_current(out: Path) -> bool:
+    """A complete demo checkpoint of the current layout, with its sampling defaults (one
+    converted before they existed is converted again)."""
+    if not (checkpoint.is_checkpoint_dir(out) and checkpoint.has_current_layout(out)):
+        return False
+    try:
+        return "temperature" in checkpoint.read_generation_config(out)
+    except ValueError:
+        return False
 
 
 def resolve_model(model: str, revision: str | None = None) -> str | Path:

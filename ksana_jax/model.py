@@ -13,7 +13,6 @@ the 1 x 1 x 1 mesh of the same code.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import numpy as np
 
 from ksana_jax import checkpoint, sharding
 from ksana_jax.config import ModelConfig
+from ksana_jax.demo import resolve_model
 from ksana_jax.kv_cache import KVCacheSpec, allocate_kv, resolve_kv_dtype
 from ksana_jax.models import registry
 from ksana_jax.step import logits_step
@@ -114,16 +114,17 @@ def load(path: str | Path, dtype: str = "auto", tensor_parallel_size: int = 1) -
     """Loads a checkpoint directory, an HF directory or a GGUF file.
 
     Args:
-      path: a directory written by `ksana-jax convert`, an HF checkpoint directory, or .gguf.
+      path: a directory written by `ksana-jax convert`, an HF checkpoint directory, a .gguf
+        file, or `demo` (the bundled SmolLM2-135M-Instruct, see demo.py).
       dtype: parameter dtype; "auto" keeps the checkpoint's (float32 for GGUF).
       tensor_parallel_size: devices to split the model over; a checkpoint directory is
         restored straight into the shards (no device ever holds a whole copy).
     """
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {DTYPES}")
-    path = Path(path)
+    path = Path(resolve_model(str(path)))  # `demo`: the bundled model
     if checkpoint.is_checkpoint_dir(path):
-        config = checkpoint.read_config(path)
+        config = checkpoint.validate(path)  # names a missing or damaged file before any read
         target = config.dtype if dtype == "auto" else dtype
         plan = sharding.make_plan(config, tensor_parallel_size)
         shapes = registry.param_shapes(config)
@@ -131,9 +132,8 @@ def load(path: str | Path, dtype: str = "auto", tensor_parallel_size: int = 1) -
             path, config, target, lambda name: plan.param_sharding(name, shapes[name])
         )
         params = plan.shard_params(params)  # per-layer slices of the stacked arrays
-        tokenizer = Tokenizer.from_dir(path)
-        generation_path = path / checkpoint.GENERATION_CONFIG_FILE
-        generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+        tokenizer = checkpoint.read_tokenizer(path)
+        generation = checkpoint.read_generation_config(path)
     else:
         # In-memory conversion; checkpoints_tools sits above the engine, so import it late.
         from checkpoints_tools import read_source

@@ -47,7 +47,17 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+MAX_MESSAGE_CHARS = 1000
+
+
+def clip(text: str, limit: int = 100) -> str:
+    """`text` cut to `limit` characters (a client's own input echoed in a message)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def error_body(status: int, message: str, param: str | None = None, code=None) -> bytes:
+    # Messages may quote the client's input (a model name, an enum value): never all of it.
+    message = clip(message, MAX_MESSAGE_CHARS)
     info = ErrorInfo(message, _TYPES.get(status, "server_error"), param, code)
     return msgspec.json.encode(ErrorResponse(info))
 

@@ -49,8 +49,9 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     model: str | None = None
     max_tokens: PositiveInt | None = None
-    temperature: Temperature | None = 1.0
-    top_p: TopP | None = 1.0
+    # null or absent: the model's default (generation_config.json), else OpenAI's (1.0)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     n: Annotated[int, Meta(ge=1, le=128)] | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -60,9 +61,9 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     frequency_penalty: Penalty | None = 0.0
     user: str | None = None
     # vLLM's extensions
-    top_k: Annotated[int, Meta(ge=-1)] | None = 0
-    min_p: Annotated[float, Meta(ge=0, le=1)] | None = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0)] | None = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] | None = None  # these three too: the model's default
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
     min_tokens: NonNegInt | None = 0
     ignore_eos: bool | None = False
     stop_token_ids: list[NonNegInt] | None = None

@@ -486,10 +486,12 @@ def test_only_a_complete_directory_loads(src, tmp_path):
     shutil.rmtree(no_params / "params")
     no_config = Path(shutil.copytree(out, tmp_path / "no-config"))
     (no_config / "config.json").unlink()
-    for partial in (no_params, no_config):
-        assert not checkpoint.is_checkpoint_dir(partial)
-        with pytest.raises(ValueError, match=str(partial)):
+    # Recognised by its own files (never read as an HF directory), and named as damaged.
+    for partial, missing in ((no_params, "params/ is missing"), (no_config, "config.json is")):
+        assert checkpoint.is_checkpoint_dir(partial)
+        with pytest.raises(checkpoint.CheckpointError, match=str(partial)) as info:
             ksana_jax.load(partial)
+        assert missing in str(info.value) and "--force" in str(info.value)
 
 
 def test_a_checkpoint_of_the_old_matrix_layout_is_refused_by_name(src, tmp_path):
