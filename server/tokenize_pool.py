@@ -21,6 +21,9 @@ import concurrent.futures
 import functools
 import logging
 import multiprocessing
+import os
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -34,9 +37,19 @@ _worker_tokenizer: Tokenizer | None = None  # in each worker process
 INLINE_CHARS = 16384  # texts up to this long are encoded in a thread, not a process
 
 
-def _init_worker(tokenizer: Tokenizer) -> None:
+def _init_worker(tokenizer: Tokenizer, server_pid: int) -> None:
     global _worker_tokenizer
     _worker_tokenizer = tokenizer
+    threading.Thread(target=_exit_with_server, args=(server_pid,), daemon=True).start()
+
+
+def _exit_with_server(server_pid: int) -> None:
+    """Ends this worker once the server process is gone: a server killed with SIGKILL never
+    shuts its pool down, and the worker (re-parented) would otherwise live on, holding a
+    tokenizer's memory, until the machine restarts."""
+    while os.getppid() == server_pid:
+        time.sleep(0.5)
+    os._exit(0)
 
 
 def _encode_in_worker(text: str, add_special_tokens: bool) -> array.array:
@@ -71,7 +84,7 @@ class HostWork:
                     self._num_processes,
                     mp_context=multiprocessing.get_context("spawn"),
                     initializer=_init_worker,
-                    initargs=(self._tokenizer,),
+                    initargs=(self._tokenizer, os.getpid()),
                 )
                 for _ in range(self._num_processes):  # spawns them, in the background
                     self._processes.submit(_encode_in_worker, "", False)

@@ -5,6 +5,7 @@ In-process: the app over a tiny engine through Litestar's test client."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import write_tiny_hf
@@ -295,3 +296,47 @@ def test_host_work_queue_is_bounded_and_falls_back_to_threads(caplog):
         work.shutdown()
     assert ids[:3] == [1, 2, 3]
     assert "tokenizing in threads" in caplog.text
+
+
+def test_tokenizer_worker_exits_when_the_server_is_killed(tmp_path):
+    """A server killed with SIGKILL never shuts its pool down: its worker must notice and go."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    write_tiny_hf(tmp_path)
+    script = f"""
+import asyncio, sys, time
+from ksana_jax.tokenizer import Tokenizer
+from server.tokenize_pool import INLINE_CHARS, HostWork
+work = HostWork(Tokenizer.from_dir({str(tmp_path)!r}), num_processes=1)
+asyncio.run(work.encode("w5 " * INLINE_CHARS))
+print(*[p.pid for p in work._processes._processes.values()], flush=True)
+time.sleep(600)
+"""
+    repo = Path(__file__).resolve().parent.parent
+    server = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=repo
+    )
+
+    def alive(pid: int) -> bool:  # a zombie (exited, not yet reaped by init) is gone too
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    try:
+        worker = int(server.stdout.readline())
+        assert alive(worker)
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if not alive(worker):
+            return
+        time.sleep(0.2)
+    os.kill(worker, signal.SIGKILL)
+    pytest.fail(f"the tokenizer worker {worker} outlived its server by 10 s")
