@@ -39,7 +39,7 @@ def lower_decode_step(
     `platform` meanwhile, so the model traces the compiled kernels, not the interpreter."""
     config = EngineConfig(**DECODE_BUCKET, attention_backend=backend, **config)
     step_runner = runner.ModelRunner(model, config)
-    inputs, sampling = step_runner.padding_inputs(
+    inputs, sampling, rows = step_runner.padding_inputs(
         config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
     )
     kv = jax.ShapeDtypeStruct(step_runner.kv.shape, step_runner.kv.dtype)
@@ -50,8 +50,10 @@ def lower_decode_step(
             placed(model.params, sharding),
             model.config,
             placed(kv, kv_sharding or sharding),
+            placed(step_runner.state, sharding),
             placed(inputs, sharding),
             placed(sampling, sharding),
+            placed(rows, sharding),
             config.max_logprobs,
             backend,
         )

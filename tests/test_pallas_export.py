@@ -161,18 +161,27 @@ def test_engine_step_lowers_for_cuda_without_a_while_loop(tmp_path, monkeypatch)
         attention_backend="pallas_gpu",
     )
     step_runner = runner.ModelRunner(model, config)
-    inputs, sampling = step_runner.padding_inputs(32, 4, 128)
+    inputs, sampling, rows = step_runner.padding_inputs(32, 4, 128)
+    state = step_runner.state
 
-    def step(params, kv, inputs, sampling):
+    def step(params, kv, state, inputs, sampling, rows):
         return runner.engine_step(
-            params, model.config, kv, inputs, sampling, config.max_logprobs, "pallas_gpu"
+            params,
+            model.config,
+            kv,
+            state,
+            inputs,
+            sampling,
+            rows,
+            config.max_logprobs,
+            "pallas_gpu",
         )
 
     kv = jax.ShapeDtypeStruct(step_runner.kv.shape, step_runner.kv.dtype)
     # Traced as on a GPU: the model picks compiled kernels, not the interpreter.
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     exported = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=TRITON)(
-        model.params, kv, inputs, sampling
+        model.params, kv, state, inputs, sampling, rows
     )
     module = exported.mlir_module()
     assert module.count(paged_attention_gpu.TRITON_CUSTOM_CALL) >= 2  # attention, KV write

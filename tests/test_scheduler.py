@@ -310,6 +310,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def end(self, request: Request, reason: str) -> None:
         self.sched.finish(request, reason)
+        self.retire(request, reason)
+
+    def retire(self, request: Request, reason: str) -> None:
         assert request.status is RequestStatus.FINISHED
         assert request.finish_reason == reason
         assert request.page_ids == []
@@ -356,7 +359,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 self.check_start(c, evicted)
             assert c.start + c.num_tokens <= r.num_tokens
-            assert c.samples == (c.start + c.num_tokens == r.num_tokens)
+            assert c.samples == (c.start + c.num_tokens == r.num_known_tokens)
             assert c.token_ids == r.all_token_ids[c.start : c.start + c.num_tokens]
             # Exactly the pages this chunk needs: enough, and no more.
             assert len(r.page_ids) == cdiv(c.start + c.num_tokens, ps)
@@ -421,19 +424,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             ]
             assert seen == fingerprints(r)[: c.start + c.num_tokens], "K/V clobbered"
 
-        # Postprocess, as the engine does.
-        for c in chunks:
-            r = c.request
-            r.num_computed_tokens += c.num_tokens
-            if not c.samples:
-                continue
-            token = sampled_token(r)
-            r.output_token_ids.append(token)
+        # Postprocess, as the engine does: the scheduler appends the tokens and ends requests
+        # at max_tokens; the engine stops them at a drawn point (a stop string).
+        tokens = [sampled_token(c.request) if c.samples else -1 for c in chunks]
+        advanced = sched.update_from_output(out, tokens)
+        assert [r for _, r in advanced] == [c.request for c in chunks if c.samples]
+        for (_, r), token in zip(advanced, [t for t in tokens if t >= 0], strict=True):
             self.expected_out[r.request_id].append(token)
-            max_tokens, stop_at = self.spec[r.request_id]
-            if len(r.output_token_ids) >= max_tokens:
-                self.end(r, "length")
-            elif len(r.output_token_ids) == stop_at:
+            if r.is_finished:
+                assert r.finish_reason == "length"
+                self.retire(r, "length")
+            elif len(r.output_token_ids) == self.spec[r.request_id][1]:
                 self.end(r, "stop")
         STATS["steps"] += 1
         return out
@@ -636,13 +637,7 @@ def engine_step(sched: Scheduler) -> SchedulerOutput:
     appended)."""
     out = sched.schedule()
     out.sampled = [c.samples for c in out.chunks]
-    for c in out.chunks:
-        r = c.request
-        r.num_computed_tokens += c.num_tokens
-        if c.samples:
-            r.output_token_ids.append(sampled_token(r))
-            if len(r.output_token_ids) >= r.params.max_tokens:
-                sched.finish(r, "length")
+    sched.update_from_output(out, [sampled_token(c.request) for c in out.chunks])
     return out
 
 
