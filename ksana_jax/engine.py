@@ -25,7 +25,9 @@ import dataclasses
 import itertools
 import logging
 import random
+import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from ksana_jax.batch import suppressed_ids
 from ksana_jax.config import EngineConfig
@@ -38,6 +40,7 @@ from ksana_jax.runner import MAX_SUPPRESSED_IDS, InFlight, ModelRunner
 from ksana_jax.sampling import SampledTokens
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.scheduler import Scheduler, SchedulerOutput
+from ksana_jax.step_metrics import StepTimer
 from ksana_jax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("ksana_jax.engine")
@@ -52,6 +55,14 @@ class _Group:
     samples: list[Request]
     detokenizers: list[IncrementalDetokenizer]
     error: str | None = None
+
+
+class _Dispatched(NamedTuple):
+    """A step on the device: what was scheduled, its outputs, when it was dispatched."""
+
+    scheduled: SchedulerOutput
+    in_flight: InFlight
+    dispatched: float
 
 
 @dataclasses.dataclass
@@ -93,7 +104,8 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
-        self._in_flight: tuple[SchedulerOutput, InFlight] | None = None  # async scheduling
+        self._in_flight: _Dispatched | None = None  # async scheduling: fetched next step
+        self.timer = StepTimer()
 
     def warm_up(self, progress: bool = True) -> int:
         return self.runner.warm_up(progress)
@@ -224,18 +236,29 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update -> emit. With async scheduling a step's results are
         fetched by the next call, once it has dispatched the step after it."""
+        begin = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self._count(scheduled)
-        running = (scheduled, self.runner.dispatch(scheduled.chunks)) if scheduled.chunks else None
+        running = None
+        if scheduled.chunks:
+            in_flight = self.runner.dispatch(scheduled.chunks)
+            running = _Dispatched(scheduled, in_flight, time.perf_counter())
         if self.config.async_scheduling:
             done, self._in_flight = self._in_flight, running
         else:
             done = running
         if done is None:
+            self.timer.pause()
             return []
-        sampled = self.runner.fetch(done[1])
-        advanced = self.scheduler.update_from_output(done[0], sampled.token_ids)
-        return self._emit(advanced, sampled)
+        fetch_begin = time.perf_counter()
+        was_ready = done.in_flight.out.token_ids.is_ready()
+        sampled = self.runner.fetch(done.in_flight)
+        fetch_end = time.perf_counter()
+        advanced = self.scheduler.update_from_output(done.scheduled, sampled.token_ids)
+        outputs = self._emit(advanced, sampled)
+        end = time.perf_counter()
+        self.timer.record(begin, end, done.dispatched, fetch_begin, fetch_end, was_ready)
+        return outputs
 
     def _count(self, scheduled: SchedulerOutput) -> None:
         self.stats.preemptions += len(scheduled.preempted)

@@ -27,7 +27,7 @@ from jax.experimental.layout import Format, Layout
 from tqdm import tqdm
 
 from ksana_jax import multihost
-from ksana_jax.batch import PersistentBatch, RowInputs
+from ksana_jax.batch import PackLayout, PersistentBatch, RowInputs, pack, unpack
 from ksana_jax.config import EngineConfig, ModelConfig
 from ksana_jax.kv_cache import (
     KVCacheSpec,
@@ -83,14 +83,15 @@ def _engine_step(
     cfg: ModelConfig,
     kv: jax.Array,
     state: BatchState,
-    inputs: StepInputs,
-    sampling: SamplingInputs,
-    rows: RowInputs,
+    buffers: tuple[jax.Array, jax.Array],
+    layout: PackLayout,
     max_logprobs: int,
     backend: str = "reference",
 ) -> tuple[SampledTokens, jax.Array, BatchState]:
-    """Feeds placeholders their slot's last sampled token, counts the fed tokens for
+    """Unpacks the step's inputs (StepInputs, SamplingInputs, RowInputs; see batch.pack),
+    feeds placeholders their slot's last sampled token, counts the fed tokens for
     penalties, runs the model and samples each row's last token."""
+    inputs, sampling, rows = unpack(buffers, layout)
     fed = state.last_token.at[rows.last_token_slots].get(mode="fill", fill_value=-1)
     inputs = dataclasses.replace(inputs, token_ids=jnp.where(fed >= 0, fed, inputs.token_ids))
     counts = jax.lax.cond(
@@ -108,7 +109,7 @@ def _engine_step(
 
 
 _STEP_JIT = dict(
-    static_argnames=("cfg", "max_logprobs", "backend"), donate_argnames=("kv", "state")
+    static_argnames=("cfg", "layout", "max_logprobs", "backend"), donate_argnames=("kv", "state")
 )
 engine_step = jax.jit(_engine_step, **_STEP_JIT)
 _step_functions = {engine_step}  # every jitted step, for compile_count
@@ -136,7 +137,7 @@ def kv_pinned_engine_step(kv_format: Format):
     keyword arguments."""
     step = jax.jit(
         _engine_step,
-        in_shardings=(None, kv_format, None, None, None, None),  # params, kv, state, inputs..
+        in_shardings=(None, kv_format, None, None),  # params, kv, state, buffers
         out_shardings=(None, kv_format, None),
         **_STEP_JIT,
     )
@@ -241,16 +242,16 @@ class ModelRunner:
         (process 0 sends them first, see multihost.py)."""
         if self.channel is not None:
             self.channel.send(inputs, sampling, rows)
-        inputs, sampling, rows = self.plan.put_replicated((inputs, sampling, rows))
+        buffers, layout = pack((inputs, sampling, rows))
+        buffers = self.plan.put_replicated(buffers)
         with self.plan.activate():
             out, self.kv, self.state = self.step(
                 self.model.params,
                 self.model.config,
                 self.kv,
                 self.state,
-                inputs,
-                sampling,
-                rows,
+                buffers,
+                layout,
                 self.config.max_logprobs,
                 self.backend,
             )
