@@ -4,7 +4,8 @@ On a tiny random Llama (2 layers, hidden 128, SmolLM2's vocabulary and tokenizer
 step costs the device almost nothing, so the host's work per step decides the speed; SmolLM2
 (bfloat16) shows the same with a real model. For each model, max_model_len, row count and
 async scheduling off/on: `rows` requests of a short random prompt each decode `--tokens`
-tokens (EOS ignored), all submitted at once, after a warm-up run of the same shape. Prints
+tokens (EOS ignored), all submitted at once, after a warm-up run of the same shape
+(max_model_len is capped at the model's context: SmolLM2 has 8192). Prints
 output tokens per second, wall ms per engine step, and -- when the engine has a step timer --
 host ms per step, device ms per step and the fraction of time the device sat idle between
 steps (see ksana_jax/step_metrics.py). Runs against older engines too (no async option, no
@@ -123,7 +124,8 @@ def main() -> None:
     for name in args.models:
         path = tiny_checkpoint() if name == "tiny" else demo_checkpoint()
         model = ksana_jax.load(path, dtype="float32" if name == "tiny" else "bfloat16")
-        for max_model_len in args.max_model_len:
+        context = model.config.max_position_embeddings
+        for max_model_len in sorted({min(n, context) for n in args.max_model_len}):
             for rows in args.rows:
                 for mode in modes:
                     row = measure(model, rows, max_model_len, args.tokens, mode)

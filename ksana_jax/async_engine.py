@@ -2,7 +2,9 @@
 
 One background thread owns the LLMEngine and the device: it applies queued commands (add,
 abort), runs `engine.step()` while there is work, and hands each RequestOutput to the
-asyncio queue of its request on that request's event loop. `add_request` validates and
+asyncio queue of its request on that request's event loop; the request's iterator yields
+those deltas, or (by default, what the server reads today) adds them up and yields
+cumulative outputs. `add_request` validates and
 tokenizes in the caller (so bad input raises right there, before anything is queued) and
 returns an async iterator of outputs; leaving the iterator early (e.g. a client
 disconnect) aborts the request, which frees its pages. With `warm_up=True` the thread
@@ -66,8 +68,10 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         priority: int = 0,
+        delta: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Queues a request; returns an async iterator of its outputs (last one finished)."""
+        """Queues a request; returns an async iterator of its outputs (last one finished):
+        the engine's deltas with `delta=True`, else cumulative outputs (each a copy)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         group = self.engine.make_group(request_id, prompt, params, priority)
@@ -84,12 +88,13 @@ class AsyncEngine:
                 self._deliver(e, request_id)
 
         self._commands.put(add)
-        return self._iterate(request_id, outputs)
+        return self._iterate(request_id, outputs, delta)
 
     async def _iterate(
-        self, request_id: str, outputs: asyncio.Queue
+        self, request_id: str, outputs: asyncio.Queue, delta: bool
     ) -> AsyncIterator[RequestOutput]:
         finished = False
+        total: RequestOutput | None = None
         try:
             while not finished:
                 item = await outputs.get()
@@ -101,7 +106,14 @@ class AsyncEngine:
                 finished = item.finished
                 if item.error is not None:
                     raise RequestFailedError(item.error)
-                yield item
+                if delta:
+                    yield item
+                    continue
+                if total is None:
+                    total = item
+                else:
+                    total.add(item)
+                yield total.copy()
         finally:
             if not finished:
                 self.abort(request_id)

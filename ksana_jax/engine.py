@@ -309,6 +309,7 @@ class LLMEngine:
             entry = dict(top)
             entry[token] = float(sampled.logprobs[row])
             request.output_logprobs.append(entry)
+        request.text_offsets.append(len(detok.text))
         if request.finish_reason == "stop":  # a stop token id or EOS: not part of the text
             return
         delta = detok.add(token)
@@ -329,21 +330,27 @@ class LLMEngine:
                     return
 
     def _output(self, group: _Group) -> RequestOutput:
+        """The group's delta output: what each sample gained since its previous one."""
         completions = []
         for sample in group.samples:
             text = sample.text
-            if not sample.is_finished and sample.params.stop:
-                hold = max(len(s) for s in sample.params.stop) - 1
-                text = text[: len(text) - hold] if hold else text
+            visible = len(text)
+            if not sample.is_finished and sample.params.stop:  # could start a stop string
+                visible = max(0, visible - (max(len(s) for s in sample.params.stop) - 1))
+            start = sample.num_emitted_tokens
+            sample.num_emitted_tokens = len(sample.output_token_ids)
+            chars = sample.num_emitted_chars
+            sample.num_emitted_chars = max(chars, visible)
             completions.append(
                 CompletionOutput(
                     index=sample.index,
-                    text=text,
-                    token_ids=list(sample.output_token_ids),
-                    logprobs=list(sample.output_logprobs)
+                    text=text[chars:visible],
+                    token_ids=sample.output_token_ids[start:],
+                    logprobs=sample.output_logprobs[start:]
                     if sample.params.logprobs is not None
                     else None,
                     finish_reason=sample.finish_reason,
+                    text_offsets=sample.text_offsets[start:],
                 )
             )
         return RequestOutput(

@@ -44,6 +44,10 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str = ""  # detokenized output (host postprocessing fills it)
+    text_offsets: list[int] = field(default_factory=list)  # per output token, in `text`
+    # What the engine's outputs have carried so far (it emits deltas).
+    num_emitted_tokens: int = 0
+    num_emitted_chars: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

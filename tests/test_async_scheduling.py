@@ -128,7 +128,8 @@ def test_abort_mid_stream_emits_nothing_past_it(tiny_model, asynchronous):
             aborted = engine.abort_request(out.request_id)
             break
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
-    assert aborted.outputs[0].token_ids == full[:5] == seen[-1]
+    assert aborted.outputs[0].token_ids == []  # a delta: nothing past what was streamed
+    assert seen[-1] == full[:5]
     while engine.has_unfinished_requests():
         for out in engine.step():
             assert out.request_id == "other"
@@ -146,6 +147,44 @@ def test_async_step_returns_the_previous_steps_tokens(tiny_model):
     engine.abort_request("a")
     assert engine.step() == []  # the in-flight decode's token is discarded
     assert engine.pages.num_free == engine.pages.num_usable
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_engine_emits_deltas_that_add_up_to_the_outputs(tiny_model, asynchronous):
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, stop=["w1", "w2"], logprobs=2),
+        SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=9, ignore_eos=True),
+    ]
+    llm = LLM(
+        tiny_model,
+        warm_up=False,
+        async_scheduling=asynchronous,
+        enable_prefix_caching=False,  # the second run computes exactly as the first
+        **BASE,
+    )
+    want = summary(llm.generate(PROMPTS[1:3], params, use_tqdm=False))
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(PROMPTS[1:3], params, strict=True)):
+        engine.add_request(f"d{i}", prompt, p)
+    deltas = {"d0": [], "d1": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas[out.request_id].append(out)
+    got = []
+    for request_deltas in deltas.values():
+        assert sum(d.finished for d in request_deltas) == 1 and request_deltas[-1].finished
+        choices = []
+        for index in range(len(request_deltas[0].outputs)):
+            parts = [d.outputs[index] for d in request_deltas]
+            assert all(len(c.token_ids) <= 1 for c in parts)  # one step: one token at most
+            token_ids = [t for c in parts for t in c.token_ids]
+            logprobs = [e for c in parts for e in (c.logprobs or [])] or parts[0].logprobs
+            offsets = [o for c in parts for o in c.text_offsets]
+            assert len(offsets) == len(token_ids) and offsets == sorted(offsets)
+            text = "".join(c.text for c in parts)
+            choices.append((token_ids, text, parts[-1].finish_reason, logprobs))
+        got.append(choices)
+    assert got == want
 
 
 def test_no_compilation_after_warm_up_with_async_scheduling(tiny_model):
