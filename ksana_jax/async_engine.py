@@ -24,6 +24,7 @@ from ksana_jax.engine import LLMEngine
 from ksana_jax.outputs import RequestOutput
 from ksana_jax.runner import compile_count
 from ksana_jax.sampling_params import SamplingParams
+from ksana_jax.step_metrics import StepTimer
 
 
 class EngineDeadError(RuntimeError):
@@ -47,6 +48,7 @@ class EngineSnapshot:
     prefix_cache_hits: int
     preemptions: int
     compilations: int
+    step_timer: StepTimer  # a copy: host and device ms per step, device-idle time
 
 
 class AsyncEngine:
@@ -141,6 +143,7 @@ class AsyncEngine:
             prefix_cache_hits=stats.prefix_cache_hits,
             preemptions=stats.preemptions,
             compilations=compile_count(),
+            step_timer=engine.timer.copy(),
         )
 
     def shutdown(self) -> None:

@@ -42,7 +42,7 @@ class Histogram:
         out, running = [], 0
         for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
             running += n
-            out.append(("+Inf" if bound == float("inf") else str(bound), running))
+            out.append(("+Inf" if bound == float("inf") else str(float(bound)), running))
         return out
 
     @property
@@ -84,6 +84,14 @@ class StepTimer:
         self.busy_s += done - start
         self.device_ms.observe((done - start) * 1e3)
         self._last_end = done
+
+    def copy(self) -> StepTimer:
+        """A snapshot for another thread (the metrics scrape)."""
+        return dataclasses.replace(
+            self,
+            host_ms=dataclasses.replace(self.host_ms, counts=list(self.host_ms.counts)),
+            device_ms=dataclasses.replace(self.device_ms, counts=list(self.device_ms.counts)),
+        )
 
     def pause(self) -> None:
         """The engine ran out of work: the next step's wait is not idle time."""
