@@ -200,27 +200,24 @@ class PersistentBatch:
 
 # A step's host inputs travel as two flat buffers (int32 and float32) rather than ~25 small
 # arrays: each array put on the device costs the host tens of microseconds.
-PackLayout = tuple  # (treedef, ((buffer, shape, dtype name), ...)): static, hashable
+PackLayout = tuple  # (treedef, ((buffer, shape, dtype), ...)): static, hashable
 
 
 def pack(trees) -> tuple[tuple[np.ndarray, np.ndarray], PackLayout]:
     """Host arrays -> (i32 buffer, f32 buffer) and the static layout `unpack` reads."""
     leaves, treedef = jax.tree.flatten(trees)
-    ints, floats, entries = [], [], []
-    for leaf in leaves:
-        leaf = np.asarray(leaf)
-        if leaf.dtype == np.float32:
-            floats.append(leaf.ravel())
-            entries.append((1, leaf.shape, "float32"))
-        else:
-            flat = leaf.view(np.int32) if leaf.dtype == np.uint32 else leaf.astype(np.int32)
-            ints.append(flat.ravel())
-            entries.append((0, leaf.shape, leaf.dtype.name))
-    buffers = (
-        np.concatenate(ints) if ints else np.zeros(0, np.int32),
-        np.concatenate(floats) if floats else np.zeros(0, np.float32),
+    is_float = [leaf.dtype == np.float32 for leaf in leaves]
+    entries = tuple(
+        (int(f), leaf.shape, leaf.dtype) for f, leaf in zip(is_float, leaves, strict=True)
     )
-    return buffers, (treedef, tuple(entries))
+    # uint32 and bool ride in the int32 buffer: a wrapping (unsafe) cast keeps their bits
+    ints = [leaf.ravel() for f, leaf in zip(is_float, leaves, strict=True) if not f]
+    floats = [leaf.ravel() for f, leaf in zip(is_float, leaves, strict=True) if f]
+    buffers = (
+        np.concatenate(ints, dtype=np.int32, casting="unsafe") if ints else np.zeros(0, np.int32),
+        np.concatenate(floats, dtype=np.float32) if floats else np.zeros(0, np.float32),
+    )
+    return buffers, (treedef, entries)
 
 
 def unpack(buffers, layout: PackLayout):
@@ -234,9 +231,9 @@ def unpack(buffers, layout: PackLayout):
         size = int(np.prod(shape, dtype=np.int64))
         flat = buffers[which][offsets[which] : offsets[which] + size]
         offsets[which] += size
-        if dtype == "uint32":
+        if dtype == np.uint32:
             flat = jax.lax.bitcast_convert_type(flat, jnp.uint32)
-        elif dtype == "bool":
+        elif dtype == np.bool_:
             flat = flat != 0
         leaves.append(flat.reshape(shape))
     return jax.tree.unflatten(treedef, leaves)
