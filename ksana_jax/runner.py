@@ -105,7 +105,16 @@ def _engine_step(
     logits, kv = _model_logits(params, cfg, kv, inputs, backend)
     sampled = sample(logits, sampling, counts, max_logprobs)
     last_token = state.last_token.at[sampling.slots].set(sampled.token_ids, mode="drop")
-    return sampled, kv, BatchState(last_token, counts)
+    return sampled, kv, _replicated(BatchState(last_token, counts))
+
+
+def _replicated(tree):
+    """Under a mesh of several devices, `tree` replicated: the state comes out with the
+    sharding it went in with, so the next step does not compile again."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, jax.sharding.PartitionSpec())
 
 
 _STEP_JIT = dict(
