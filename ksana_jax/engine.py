@@ -12,8 +12,10 @@ scheduler discards it, so outputs are the same either way.
 
 Requests come in as text or token ids with SamplingParams; a request with n > 1 runs as n
 samples sharing one request id (with the prefix cache on, samples after the first start once
-the first has computed the prompt, and share its pages). Outputs are vLLM-shaped
-RequestOutputs for the requests that advanced in the step. Stop strings are matched on the
+the first has computed the prompt, and share its pages). Outputs are vLLM-shaped delta
+RequestOutputs (outputs.py) for the requests that advanced in the step: only what is new
+since the request's previous output; `LLM` and `AsyncEngine` add them up. Stop strings are
+matched on the
 detokenized text (so they may span tokens) and are cut from it; until a request finishes,
 the last characters that could still start a stop string are held back from its visible
 text.
