@@ -361,7 +361,9 @@ class EngineConfig:
     )
     seed: int = _field(0, "draws the seeds of requests that give none")
     async_scheduling: bool = _field(
-        False, "prepare and dispatch the next step before fetching this one's tokens"
+        False,
+        "prepare and dispatch the next step before fetching this one's tokens (same outputs; "
+        "off by default until measured on an accelerator: on CPU host and device share cores)",
     )
     compilation_cache_dir: str | None = _field(
         None, "JAX persistent compilation cache directory (serve: ~/.cache/ksana-jax/jax)"
