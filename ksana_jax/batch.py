@@ -126,7 +126,6 @@ class PersistentBatch:
     ) -> tuple[StepInputs, SamplingInputs, RowInputs]:
         """The inputs of a step of bucket shape (T, S, P pages) running `chunks`."""
         n = len(chunks)
-        none = self.num_slots  # "no slot" in RowInputs
         ps = self.page_size
         slots = np.full(num_seqs, self.sink, np.int32)
         slots[:n] = [self._sync(c.request) for c in chunks]
@@ -145,16 +144,16 @@ class PersistentBatch:
         ends = np.cumsum(lens, dtype=np.int32)
         query_starts = np.full(num_seqs + 1, total, np.int32)
         query_starts[:n] = ends - lens
-        rows = np.repeat(np.arange(n, dtype=np.int32), lens)  # each token's row
-        token_slots = slots[rows]
+        token_rows = np.repeat(np.arange(n, dtype=np.int32), lens)
+        token_slots = slots[token_rows]
         positions = np.zeros(num_tokens, np.int32)
-        pos = starts[rows] + np.arange(total, dtype=np.int32) - query_starts[rows]
+        pos = starts[token_rows] + np.arange(total, dtype=np.int32) - query_starts[token_rows]
         positions[:total] = pos
         slot_ids = np.full(num_tokens, SINK_PAGE * ps, np.int32)
         slot_ids[:total] = self.page_table[token_slots, pos // ps] * ps + pos % ps
         token_ids = np.zeros(num_tokens, np.int32)
         flat = np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, int(known.sum()))
-        is_known = pos < (starts + known)[rows]
+        is_known = pos < (starts + known)[token_rows]
         token_ids[:total][is_known] = flat
         seq_lens = np.zeros(num_seqs, np.int32)
         seq_lens[:n] = starts + lens
@@ -162,10 +161,24 @@ class PersistentBatch:
             token_ids, positions, slot_ids, self.page_table[slots, :pages], seq_lens, query_starts
         )
         num_generated = np.zeros(num_seqs, np.int32)  # outputs before the sampled token
-        num_generated[:n] = np.maximum(starts + lens - self.num_prompt_tokens[slots[:n]], 0)
+        num_generated[:n] = np.maximum(seq_lens[:n] - self.num_prompt_tokens[slots[:n]], 0)
+        none = self.num_slots  # "no slot" in RowInputs
+        last_token_slots = np.full(num_tokens, none, np.int32)
+        last_token_slots[:total] = np.where(is_known, none, token_slots)
+        count_slots = np.full(num_tokens, none, np.int32)
+        count_slots[:total] = np.where(self.penalized[token_slots], token_slots, none)
+        is_output = np.zeros(num_tokens, bool)
+        is_output[:total] = pos >= self.num_prompt_tokens[token_slots]
+        reset_slots = np.full(num_seqs, none, np.int32)
+        reset_slots[:n] = np.where((starts == 0) & self.penalized[slots[:n]], slots[:n], none)
+        rows = RowInputs(last_token_slots, count_slots, is_output, reset_slots)
+        return inputs, self._sampling(slots, num_generated), rows
+
+    def _sampling(self, slots: np.ndarray, num_generated: np.ndarray) -> SamplingInputs:
+        """The step's rows of the per-slot sampling parameters."""
         suppressed = self.suppressed[slots]
         suppressed[num_generated >= self.min_tokens[slots]] = -1
-        sampling = SamplingInputs(
+        return SamplingInputs(
             temperature=self.temperature[slots],
             top_k=self.top_k[slots],
             top_p=self.top_p[slots],
@@ -180,16 +193,6 @@ class PersistentBatch:
             num_logprobs=self.num_logprobs[slots],
             slots=slots,
         )
-        padded = np.full(num_tokens, none, np.int32)
-        last_token_slots = padded.copy()
-        last_token_slots[:total] = np.where(is_known, none, token_slots)
-        count_slots = padded
-        count_slots[:total] = np.where(self.penalized[token_slots], token_slots, none)
-        is_output = np.zeros(num_tokens, bool)
-        is_output[:total] = pos >= self.num_prompt_tokens[token_slots]
-        reset_slots = np.full(num_seqs, none, np.int32)
-        reset_slots[:n] = np.where((starts == 0) & self.penalized[slots[:n]], slots[:n], none)
-        return inputs, sampling, RowInputs(last_token_slots, count_slots, is_output, reset_slots)
 
     def padding(
         self, num_tokens: int, num_seqs: int, pages: int
