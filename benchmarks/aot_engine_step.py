@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ksana_jax import runner
+from ksana_jax.batch import pack
 from ksana_jax.config import EngineConfig
 
 # A 32-row decode bucket over contexts up to 1024 tokens.
@@ -39,8 +40,10 @@ def lower_decode_step(
     `platform` meanwhile, so the model traces the compiled kernels, not the interpreter."""
     config = EngineConfig(**DECODE_BUCKET, attention_backend=backend, **config)
     step_runner = runner.ModelRunner(model, config)
-    inputs, sampling = step_runner.padding_inputs(
-        config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
+    buffers, layout = pack(
+        step_runner.padding_inputs(
+            config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
+        )
     )
     kv = jax.ShapeDtypeStruct(step_runner.kv.shape, step_runner.kv.dtype)
     default_backend = jax.default_backend
@@ -50,8 +53,9 @@ def lower_decode_step(
             placed(model.params, sharding),
             model.config,
             placed(kv, kv_sharding or sharding),
-            placed(inputs, sharding),
-            placed(sampling, sharding),
+            placed(step_runner.state, sharding),
+            placed(buffers, sharding),
+            layout,
             config.max_logprobs,
             backend,
         )

@@ -96,10 +96,13 @@ def decode_step_seconds(llm: LLM, repeats: int = 20) -> float:
         cfg.seq_buckets[0],
         pages,
     )
-    sampling = runner._sampling_inputs([], cfg.seq_buckets[0])  # greedy padding rows
+    # Greedy padding rows around the one decode row.
+    _, sampling, rows = runner.padding_inputs(
+        cfg.token_buckets[0], cfg.seq_buckets[0], pages * cfg.page_size
+    )
 
     def step():
-        jax.block_until_ready(runner.execute(inputs, sampling))
+        jax.block_until_ready(runner.execute(inputs, sampling, rows))
 
     step()
     times = []

@@ -2,7 +2,9 @@
 
 One background thread owns the LLMEngine and the device: it applies queued commands (add,
 abort), runs `engine.step()` while there is work, and hands each RequestOutput to the
-asyncio queue of its request on that request's event loop. `add_request` validates and
+asyncio queue of its request on that request's event loop; the request's iterator yields
+those deltas, or (by default, what the server reads today) adds them up and yields
+cumulative outputs. `add_request` validates and
 tokenizes in the caller (so bad input raises right there, before anything is queued) and
 returns an async iterator of outputs; leaving the iterator early (e.g. a client
 disconnect) aborts the request, which frees its pages. With `warm_up=True` the thread
@@ -22,6 +24,7 @@ from ksana_jax.engine import LLMEngine, _Group
 from ksana_jax.outputs import RequestOutput
 from ksana_jax.runner import compile_count
 from ksana_jax.sampling_params import SamplingParams
+from ksana_jax.step_metrics import StepTimer
 
 
 class EngineDeadError(RuntimeError):
@@ -49,6 +52,7 @@ class EngineSnapshot:
     prefix_cache_hits: int
     preemptions: int
     compilations: int
+    step_timer: StepTimer  # a copy: host and device ms per step, device-idle time
 
 
 class AsyncEngine:
@@ -70,15 +74,19 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         priority: int = 0,
+        delta: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Queues a request; returns an async iterator of its outputs (last one finished)."""
+        """Queues a request; returns an async iterator of its outputs (last one finished):
+        the engine's deltas with `delta=True`, else cumulative outputs (each a copy)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
-        return await self.add_group(self.engine.make_group(request_id, prompt, params, priority))
+        group = self.engine.make_group(request_id, prompt, params, priority)
+        return await self.add_group(group, delta)
 
-    async def add_group(self, group: _Group) -> AsyncIterator[RequestOutput]:
+    async def add_group(self, group: _Group, delta: bool = False) -> AsyncIterator[RequestOutput]:
         """Queues a request that `engine.make_group` made (in any thread: the server makes
-        them off the event loop); returns an async iterator of its outputs."""
+        them off the event loop); returns an async iterator of its outputs (deltas or
+        cumulative, as `add_request`)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         request_id = group.request_id
@@ -95,12 +103,13 @@ class AsyncEngine:
                 self._deliver(e, request_id)
 
         self._commands.put(add)
-        return self._iterate(request_id, outputs)
+        return self._iterate(request_id, outputs, delta)
 
     async def _iterate(
-        self, request_id: str, outputs: asyncio.Queue
+        self, request_id: str, outputs: asyncio.Queue, delta: bool
     ) -> AsyncIterator[RequestOutput]:
         finished = False
+        total: RequestOutput | None = None
         try:
             while not finished:
                 item = await outputs.get()
@@ -112,7 +121,14 @@ class AsyncEngine:
                 finished = item.finished
                 if item.error is not None:
                     raise RequestFailedError(item.error)
-                yield item
+                if delta:
+                    yield item
+                    continue
+                if total is None:
+                    total = item
+                else:
+                    total.add(item)
+                yield total.copy()
         finally:
             if not finished:
                 self.abort(request_id)
@@ -150,6 +166,7 @@ class AsyncEngine:
             prefix_cache_hits=stats.prefix_cache_hits,
             preemptions=stats.preemptions,
             compilations=compile_count(),
+            step_timer=engine.timer.copy(),
         )
 
     def shutdown(self, timeout: float = 30) -> None:

@@ -414,6 +414,11 @@ class EngineConfig:
         "columns/rows (see docs/deploy.md)",
     )
     seed: int = _field(0, "draws the seeds of requests that give none")
+    async_scheduling: bool = _field(
+        False,
+        "prepare and dispatch the next step before fetching this one's tokens (same outputs; "
+        "off by default until measured on an accelerator: on CPU host and device share cores)",
+    )
     compilation_cache_dir: str | None = _field(
         None, "JAX persistent compilation cache directory (serve: ~/.cache/ksana-jax/jax)"
     )
@@ -440,10 +445,9 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(
-                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
-            )
+        for name in ("enable_prefix_caching", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the sink), got {self.num_pages}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -1,13 +1,21 @@
 """The engine loop: add requests, step, abort -- the only code that drives the device.
 
-    scheduled = scheduler.schedule()      which requests run, how many tokens each
-    sampled = runner.run(chunks)          one jitted call: forward + sampling
-    outputs = postprocess(...)            append tokens, detokenize, stop checks
+    scheduled = scheduler.schedule()              which requests run, how many tokens each
+    in_flight = runner.dispatch(chunks)           one jitted call: forward + sampling
+    scheduler.update_from_output(...)             append tokens; stop ids, EOS, max_tokens
+    emit(...)                                     detokenize, stop strings, outputs
+
+With `EngineConfig.async_scheduling` a step's results are fetched only after the next step
+is dispatched, so the host's work overlaps the device's; the next step's decode rows read
+their tokens on device. A request that finished may then have computed one more token: the
+scheduler discards it, so outputs are the same either way.
 
 Requests come in as text or token ids with SamplingParams; a request with n > 1 runs as n
 samples sharing one request id (with the prefix cache on, samples after the first start once
-the first has computed the prompt, and share its pages). Outputs are vLLM-shaped
-RequestOutputs for the requests that advanced in the step. Stop strings are matched on the
+the first has computed the prompt, and share its pages). Outputs are vLLM-shaped delta
+RequestOutputs (outputs.py) for the requests that advanced in the step: only what is new
+since the request's previous output; `LLM` and `AsyncEngine` add them up. Stop strings are
+matched on the
 detokenized text (so they may span tokens) and are cut from it; until a request finishes,
 the last characters that could still start a stop string are held back from its visible
 text.
@@ -19,18 +27,22 @@ import dataclasses
 import itertools
 import logging
 import random
+import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
+from ksana_jax.batch import suppressed_ids
 from ksana_jax.config import EngineConfig
 from ksana_jax.model import Model
 from ksana_jax.outputs import CompletionOutput, RequestOutput
 from ksana_jax.page_manager import PageManager
 from ksana_jax.prefix_cache import PrefixCache
 from ksana_jax.request import Request
-from ksana_jax.runner import MAX_SUPPRESSED_IDS, ModelRunner, suppressed_ids
+from ksana_jax.runner import MAX_SUPPRESSED_IDS, InFlight, ModelRunner
 from ksana_jax.sampling import SampledTokens
 from ksana_jax.sampling_params import SamplingParams
-from ksana_jax.scheduler import ScheduledChunk, Scheduler
+from ksana_jax.scheduler import Scheduler, SchedulerOutput
+from ksana_jax.step_metrics import StepTimer
 from ksana_jax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("ksana_jax.engine")
@@ -45,6 +57,14 @@ class _Group:
     samples: list[Request]
     detokenizers: list[IncrementalDetokenizer]
     error: str | None = None
+
+
+class _Dispatched(NamedTuple):
+    """A step on the device: what was scheduled, its outputs, when it was dispatched."""
+
+    scheduled: SchedulerOutput
+    in_flight: InFlight
+    dispatched: float
 
 
 @dataclasses.dataclass
@@ -76,13 +96,18 @@ class LLMEngine:
         cache = PrefixCache(config.page_size) if config.enable_prefix_caching else None
         self.pages = PageManager(self.runner.num_pages, cache)
         self.scheduler = Scheduler(
-            self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens
+            self.pages,
+            config.page_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            model.eos_token_ids,
         )
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
-        self._eos_ids = frozenset(model.eos_token_ids)
+        self._in_flight: _Dispatched | None = None  # async scheduling: fetched next step
+        self.timer = StepTimer()
 
     def warm_up(self, progress: bool = True) -> int:
         return self.runner.warm_up(progress)
@@ -177,11 +202,13 @@ class LLMEngine:
                 else self._seeds.getrandbits(32)
             )
             sample.arrival = next(self._arrivals)
-        # With the prefix cache, the other samples wait for the first to compute the prompt
-        # (see _postprocess), then find its pages cached instead of each computing a copy.
-        sharing = self.config.enable_prefix_caching
-        for sample in group.samples[:1] if sharing else group.samples:
-            self.scheduler.add(sample)
+        # With the prefix cache, the other samples wait for the first to compute the prompt,
+        # then find its pages cached instead of each computing a copy.
+        if self.config.enable_prefix_caching:
+            self.scheduler.add(group.samples[0], after_prompt=group.samples[1:])
+        else:
+            for sample in group.samples:
+                self.scheduler.add(sample)
         self._groups[group.request_id] = group
 
     def add_request(
@@ -209,33 +236,49 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
+        """schedule -> execute -> update -> emit. With async scheduling a step's results are
+        fetched by the next call, once it has dispatched the step after it."""
+        begin = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        self._count(scheduled)
+        running = None
+        if scheduled.chunks:
+            in_flight = self.runner.dispatch(scheduled.chunks)
+            running = _Dispatched(scheduled, in_flight, time.perf_counter())
+        if self.config.async_scheduling:
+            done, self._in_flight = self._in_flight, running
+        else:
+            done = running
+        if done is None:
+            self.timer.pause()
+            return []
+        fetch_begin = time.perf_counter()
+        was_ready = done.in_flight.out.token_ids.is_ready()
+        sampled = self.runner.fetch(done.in_flight)
+        fetch_end = time.perf_counter()
+        advanced = self.scheduler.update_from_output(done.scheduled, sampled.token_ids)
+        outputs = self._emit(advanced, sampled)
+        end = time.perf_counter()
+        self.timer.record(begin, end, done.dispatched, fetch_begin, fetch_end, was_ready)
+        return outputs
+
+    def _count(self, scheduled: SchedulerOutput) -> None:
         self.stats.preemptions += len(scheduled.preempted)
         self.stats.prefix_cache_queries += scheduled.prefix_cache_queries
         self.stats.prefix_cache_hits += scheduled.prefix_cache_hits
-        if not scheduled.chunks:
-            return []
-        sampled = self.runner.run(scheduled.chunks)
-        self.stats.steps += 1
-        return self._postprocess(scheduled.chunks, sampled)
+        self.stats.steps += bool(scheduled.chunks)
 
-    def _postprocess(
-        self, chunks: list[ScheduledChunk], sampled: SampledTokens
+    def _emit(
+        self, advanced: list[tuple[int, Request]], sampled: SampledTokens
     ) -> list[RequestOutput]:
-        advanced: dict[str, _Group] = {}
-        for row, chunk in enumerate(chunks):
-            request = chunk.request
-            request.num_computed_tokens += chunk.num_tokens
-            if not chunk.samples:
-                continue
+        """Detokenizes each new token, applies stop strings; outputs of the groups that moved."""
+        groups: dict[str, _Group] = {}
+        for row, request in advanced:
             group = self._groups[request.parent_id]
-            if len(request.output_token_ids) == 0:
+            groups[group.request_id] = group
+            if len(request.output_token_ids) == 1:
                 self.stats.prompt_tokens += len(request.prompt_token_ids)
-                if request.index == 0 and self.config.enable_prefix_caching:
-                    for sibling in group.samples[1:]:  # the prompt's pages are computed now
-                        self.scheduler.add(sibling)
             self.stats.generation_tokens += 1
-            advanced[group.request_id] = group
             if group.error is not None:
                 continue
             try:
@@ -246,7 +289,7 @@ class LLMEngine:
                 for sample in group.samples:
                     if not sample.is_finished:
                         self.scheduler.finish(sample, "abort")
-        outputs = [self._output(group) for group in advanced.values()]
+        outputs = [self._output(group) for group in groups.values()]
         for out in outputs:
             if out.finished:
                 del self._groups[out.request_id]
@@ -255,9 +298,10 @@ class LLMEngine:
     def _append_token(
         self, request: Request, detok: IncrementalDetokenizer, sampled: SampledTokens, row: int
     ) -> None:
+        """The host side of a new token (the scheduler has appended it and applied stop ids,
+        EOS and max_tokens): logprobs, text, stop strings."""
         params = request.params
-        token = int(sampled.token_ids[row])
-        request.output_token_ids.append(token)
+        token = request.output_token_ids[-1]
         if params.logprobs is not None:
             top = zip(
                 sampled.top_ids[row, : params.logprobs].tolist(),
@@ -267,15 +311,13 @@ class LLMEngine:
             entry = dict(top)
             entry[token] = float(sampled.logprobs[row])
             request.output_logprobs.append(entry)
-        num_out = len(request.output_token_ids)
-        can_stop = num_out > params.min_tokens or num_out == params.max_tokens
-        if can_stop and (
-            token in params.stop_token_ids or (token in self._eos_ids and not params.ignore_eos)
-        ):
-            self.scheduler.finish(request, "stop")
+        request.text_offsets.append(len(detok.text))
+        if request.finish_reason == "stop":  # a stop token id or EOS: not part of the text
             return
         delta = detok.add(token)
         request.text += delta
+        num_out = len(request.output_token_ids)
+        can_stop = num_out > params.min_tokens or num_out == params.max_tokens
         if can_stop and delta and params.stop:
             for stop in params.stop:
                 start = max(0, len(request.text) - len(delta) - len(stop) + 1)
@@ -283,27 +325,34 @@ class LLMEngine:
                 if at >= 0:
                     end = at + len(stop) if params.include_stop_str_in_output else at
                     request.text = request.text[:end]
-                    self.scheduler.finish(request, "stop")
+                    if request.is_finished:  # at max_tokens: the stop string names the end
+                        request.finish_reason = "stop"
+                    else:
+                        self.scheduler.finish(request, "stop")
                     return
-        if num_out >= params.max_tokens:
-            self.scheduler.finish(request, "length")
 
     def _output(self, group: _Group) -> RequestOutput:
+        """The group's delta output: what each sample gained since its previous one."""
         completions = []
         for sample in group.samples:
             text = sample.text
-            if not sample.is_finished and sample.params.stop:
-                hold = max(len(s) for s in sample.params.stop) - 1
-                text = text[: len(text) - hold] if hold else text
+            visible = len(text)
+            if not sample.is_finished and sample.params.stop:  # could start a stop string
+                visible = max(0, visible - (max(len(s) for s in sample.params.stop) - 1))
+            start = sample.num_emitted_tokens
+            sample.num_emitted_tokens = len(sample.output_token_ids)
+            chars = sample.num_emitted_chars
+            sample.num_emitted_chars = max(chars, visible)
             completions.append(
                 CompletionOutput(
                     index=sample.index,
-                    text=text,
-                    token_ids=list(sample.output_token_ids),
-                    logprobs=list(sample.output_logprobs)
+                    text=text[chars:visible],
+                    token_ids=sample.output_token_ids[start:],
+                    logprobs=sample.output_logprobs[start:]
                     if sample.params.logprobs is not None
                     else None,
                     finish_reason=sample.finish_reason,
+                    text_offsets=sample.text_offsets[start:],
                 )
             )
         return RequestOutput(

@@ -6,6 +6,7 @@
 
 `LLM` loads the model (anything `ksana_jax.load` accepts, or `demo`), builds the engine from
 EngineConfig fields given as keyword arguments, and compiles every step bucket up front.
+Its outputs are cumulative: it adds up the engine's delta outputs.
 With several processes (multihost.py) process 0 generates and the others call `follow()`.
 """
 
@@ -106,14 +107,13 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         ids = [self._add(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        done: dict[str, RequestOutput] = {}
+        outputs: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-        return [done[i] for i in ids]
+                for delta in self.engine.step():
+                    _accumulate(outputs, delta)
+                    bar.update(delta.finished)
+        return [outputs[i] for i in ids]
 
     def chat(
         self,
@@ -141,15 +141,25 @@ class LLM:
         Other requests already in the engine keep running alongside.
         """
         request_id = self._add(prompt, sampling_params)
+        outputs: dict[str, RequestOutput] = {}
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        yield out
+                for delta in self.engine.step():
+                    if delta.request_id == request_id:
+                        out = _accumulate(outputs, delta)
+                        yield out.copy()
                         if out.finished:
                             return
         finally:
             self.engine.abort_request(request_id)
+
+
+def _accumulate(outputs: dict[str, RequestOutput], delta: RequestOutput) -> RequestOutput:
+    """Adds an engine delta to the request's cumulative output (the first delta starts it)."""
+    out = outputs.setdefault(delta.request_id, delta)
+    if out is not delta:
+        out.add(delta)
+    return out
 
 
 def _prompt_of(prompt: Prompt) -> str | Sequence[int]:

@@ -66,14 +66,15 @@ class StepChannel:
         self._closed = False
         atexit.register(self.close)  # followers must not wait forever for a step
 
-    def send(self, inputs: Any, sampling: Any) -> None:
-        """Sends one step (StepInputs, SamplingInputs of numpy arrays) to the followers."""
+    def send(self, inputs: Any, *rest: Any) -> None:
+        """Sends one step (StepInputs, then the runner's other per-step inputs, numpy arrays)
+        to the followers."""
         if self._closed:
             raise RuntimeError("the step channel is closed: the followers have stopped")
         num_seqs, pages_per_seq = inputs.page_table.shape
         header = np.array([STEP, inputs.token_ids.shape[0], num_seqs, pages_per_seq], np.int32)
         broadcast_one_to_all(header)
-        broadcast_one_to_all((inputs, sampling))
+        broadcast_one_to_all((inputs, *rest))
 
     def close(self) -> None:
         """Tells the followers to stop (idempotent)."""
@@ -90,9 +91,9 @@ def leader_channel() -> StepChannel | None:
 class _Runner(Protocol):
     config: Any
 
-    def padding_inputs(self, num_tokens: int, num_seqs: int, context: int) -> tuple[Any, Any]: ...
+    def padding_inputs(self, num_tokens: int, num_seqs: int, context: int) -> tuple[Any, ...]: ...
 
-    def execute(self, inputs: Any, sampling: Any) -> Any: ...
+    def execute(self, *inputs: Any) -> Any: ...
 
 
 def follow(runner: _Runner) -> int:

@@ -1,4 +1,11 @@
-"""What the engine hands back per request (vLLM's shapes and names)."""
+"""What the engine hands back per request (vLLM's shapes and names).
+
+`LLMEngine.step()` emits deltas: each CompletionOutput holds only what is new since the
+request's previous output -- token ids, text (from the request's own detokenizer, held back
+while it could still be the start of a stop string), logprobs, and each new token's offset
+in the text -- so emitting costs the same at token 10 as at token 10,000. `RequestOutput.add`
+accumulates deltas into the cumulative output `LLM` returns and `AsyncEngine` streams.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,8 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None  # per token: {token id: logprob}, top-N + sampled
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # Per token: where its text starts in the choice's text (before a stop string cut).
+    text_offsets: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -28,3 +37,31 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # set when processing this request raised (it is finished)
+
+    def add(self, delta: RequestOutput) -> None:
+        """Appends the engine's next delta output of this request to this (cumulative) one."""
+        for c, d in zip(self.outputs, delta.outputs, strict=True):
+            assert c.index == d.index, (c.index, d.index)
+            c.text += d.text
+            c.token_ids.extend(d.token_ids)
+            if d.logprobs is not None:
+                c.logprobs = (c.logprobs or []) + d.logprobs
+            if d.text_offsets is not None:
+                c.text_offsets = (c.text_offsets or []) + d.text_offsets
+            c.finish_reason = d.finish_reason
+            c.stop_reason = d.stop_reason
+        self.finished = delta.finished
+        self.error = delta.error
+
+    def copy(self) -> RequestOutput:
+        """A copy whose lists later `add` calls do not touch."""
+        outputs = [
+            dataclasses.replace(
+                c,
+                token_ids=list(c.token_ids),
+                logprobs=None if c.logprobs is None else list(c.logprobs),
+                text_offsets=None if c.text_offsets is None else list(c.text_offsets),
+            )
+            for c in self.outputs
+        ]
+        return dataclasses.replace(self, outputs=outputs)

@@ -32,7 +32,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in this request's pages
+    num_computed_tokens: int = 0  # tokens whose K/V are in (or being written to) its pages
+    # Sampled by a step still in flight, not yet known on the host (0 or 1): the next step
+    # feeds it from the device (async scheduling). Counted in num_tokens.
+    num_placeholders: int = 0
+    slot: int = -1  # row of the persistent batch while running (scheduler-assigned)
     # Prefix cache: the chained hashes of the pages whose tokens are all computed, and what
     # besides token ids changes K/V (a future LoRA id): only equal salts share pages.
     page_hashes: list[bytes] = field(default_factory=list)
@@ -40,14 +44,35 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str = ""  # detokenized output (host postprocessing fills it)
+    text_offsets: list[int] = field(default_factory=list)  # per output token, in `text`
+    # What the engine's outputs have carried so far (it emits deltas).
+    num_emitted_tokens: int = 0
+    num_emitted_chars: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def num_tokens(self) -> int:
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens plus placeholders: what the next step continues from."""
+        return self.num_known_tokens + self.num_placeholders
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Outputs known and in flight."""
+        return len(self.output_token_ids) + self.num_placeholders
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Known tokens at positions [start, end), without concatenating the whole history."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - num_prompt)]
 
     @property
     def is_finished(self) -> bool:

@@ -1,10 +1,13 @@
 """The device side of a step: pad the scheduled batch to a bucket, run one jitted call.
 
-In: the scheduler's chunks (host lists). Out: one sampled token (+ logprobs) per row, as
-numpy. The runner owns the params and the KV array; the jitted step (forward + sampling)
-takes the KV donated and returns it, so it is updated in place. Every step is padded to a
-(T tokens, S sequences, context) bucket from EngineConfig; `warm_up` compiles all of them
-first, so a serving workload never compiles.
+In: the scheduler's chunks. Out: one sampled token (+ logprobs) per row. The runner owns the
+params, the KV array and the persistent batch (batch.py: host rows per slot, and the device's
+BatchState: last sampled tokens and penalty counts); the jitted step (forward + sampling)
+takes the KV and the BatchState donated and returns them, so both are updated in place.
+`execute` only dispatches the step (JAX runs it asynchronously) and returns its device
+outputs; `fetch` waits for them, so the engine can prepare and dispatch the next step first.
+Every step is padded to a (T tokens, S sequences, context) bucket from EngineConfig;
+`warm_up` compiles all of them first, so a serving workload never compiles.
 
 The params and KV carry the model's ShardingPlan shardings and every step's inputs are
 replicated over its mesh, the same in warm-up and serving, so sharding never recompiles.
@@ -14,15 +17,17 @@ others, which run the same step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.layout import Format, Layout
 from tqdm import tqdm
 
 from ksana_jax import multihost
+from ksana_jax.batch import PackLayout, PersistentBatch, RowInputs, pack, unpack
 from ksana_jax.config import EngineConfig, ModelConfig
 from ksana_jax.kv_cache import (
     KVCacheSpec,
@@ -34,33 +39,87 @@ from ksana_jax.kv_cache import (
 from ksana_jax.model import Model
 from ksana_jax.models import registry
 from ksana_jax.pallas_kernels import resolve_backend
-from ksana_jax.sampling import SampledTokens, SamplingInputs, sample
-from ksana_jax.sampling_params import SamplingParams
+from ksana_jax.sampling import (
+    PenaltyCounts,
+    SampledTokens,
+    SamplingInputs,
+    count_tokens,
+    penalties_active,
+    sample,
+)
 from ksana_jax.scheduler import ScheduledChunk
 from ksana_jax.sharding import fetch
-from ksana_jax.step_inputs import SequenceChunk, StepInputs, build_step_inputs
+from ksana_jax.step_inputs import StepInputs
 
 GIB = 1 << 30
 MAX_SUPPRESSED_IDS = 8  # EOS + stop_token_ids banned while a request is below min_tokens
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["last_token", "counts"], meta_fields=[]
+)
+@dataclasses.dataclass(frozen=True)
+class BatchState:
+    """The persistent batch's device side, one row per slot (R = max_num_seqs + 1: the last
+    is the padding sink)."""
+
+    last_token: jax.Array  # i32[R]  each slot's last sampled token
+    counts: PenaltyCounts  # [R, V]  each slot's tokens so far, for penalties
+
+    @classmethod
+    def zeros(cls, num_slots: int, vocab: int) -> BatchState:
+        return cls(jnp.zeros(num_slots, jnp.int32), PenaltyCounts.zeros(num_slots, vocab))
+
+
+def _model_logits(params, cfg: ModelConfig, kv: jax.Array, inputs: StepInputs, backend: str):
+    """The model: forward over the ragged batch, logits f32[S, V] of each row's last token."""
+    hidden, kv = registry.forward(params, cfg, kv, inputs, backend)
+    last = jnp.maximum(inputs.query_starts[1:] - 1, 0)  # [S]
+    return registry.logits(params, cfg, hidden[last]), kv
 
 
 def _engine_step(
     params: registry.Params,
     cfg: ModelConfig,
     kv: jax.Array,
-    inputs: StepInputs,
-    sampling: SamplingInputs,
+    state: BatchState,
+    buffers: tuple[jax.Array, jax.Array],
+    layout: PackLayout,
     max_logprobs: int,
     backend: str = "reference",
-) -> tuple[SampledTokens, jax.Array]:
-    """Forward over the ragged batch, then sample each row's last token."""
-    hidden, kv = registry.forward(params, cfg, kv, inputs, backend)
-    last = jnp.maximum(inputs.query_starts[1:] - 1, 0)  # [S]
-    logits = registry.logits(params, cfg, hidden[last])
-    return sample(logits, sampling, max_logprobs), kv
+) -> tuple[SampledTokens, jax.Array, BatchState]:
+    """Unpacks the step's inputs (StepInputs, SamplingInputs, RowInputs; see batch.pack),
+    feeds placeholders their slot's last sampled token, counts the fed tokens for
+    penalties, runs the model and samples each row's last token."""
+    inputs, sampling, rows = unpack(buffers, layout)
+    fed = state.last_token.at[rows.last_token_slots].get(mode="fill", fill_value=-1)
+    inputs = dataclasses.replace(inputs, token_ids=jnp.where(fed >= 0, fed, inputs.token_ids))
+    counts = jax.lax.cond(
+        jnp.any(penalties_active(sampling)),
+        lambda c: count_tokens(
+            c, rows.count_slots, inputs.token_ids, rows.is_output, rows.reset_slots
+        ),
+        lambda c: c,
+        state.counts,
+    )
+    logits, kv = _model_logits(params, cfg, kv, inputs, backend)
+    sampled = sample(logits, sampling, counts, max_logprobs)
+    last_token = state.last_token.at[sampling.slots].set(sampled.token_ids, mode="drop")
+    return sampled, kv, _replicated(BatchState(last_token, counts))
 
 
-_STEP_JIT = dict(static_argnames=("cfg", "max_logprobs", "backend"), donate_argnames=("kv",))
+def _replicated(tree):
+    """Under a mesh of several devices, `tree` replicated: the state comes out with the
+    sharding it went in with, so the next step does not compile again."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, jax.sharding.PartitionSpec())
+
+
+_STEP_JIT = dict(
+    static_argnames=("cfg", "layout", "max_logprobs", "backend"), donate_argnames=("kv", "state")
+)
 engine_step = jax.jit(_engine_step, **_STEP_JIT)
 _step_functions = {engine_step}  # every jitted step, for compile_count
 
@@ -87,12 +146,20 @@ def kv_pinned_engine_step(kv_format: Format):
     keyword arguments."""
     step = jax.jit(
         _engine_step,
-        in_shardings=(None, kv_format, None, None),  # params, kv, inputs, sampling
-        out_shardings=(None, kv_format),
+        in_shardings=(None, kv_format, None, None),  # params, kv, state, buffers
+        out_shardings=(None, kv_format, None),
         **_STEP_JIT,
     )
     _step_functions.add(step)
     return step
+
+
+class InFlight(NamedTuple):
+    """A dispatched step: its device outputs, rows that matter, whether any wants logprobs."""
+
+    out: SampledTokens
+    num_rows: int
+    logprobs: bool
 
 
 def _bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
@@ -122,12 +189,6 @@ def resolve_num_pages(
             2 * GIB * kv_shards, full * (config.max_num_seqs * config.max_pages_per_seq + 1)
         )
     return num_pages_for_budget(model_config, config.page_size, dtype, budget, lane_multiple)
-
-
-def suppressed_ids(params: SamplingParams, eos_ids: tuple[int, ...]) -> list[int]:
-    """Token ids a request may not sample before it has min_tokens outputs."""
-    ids = [*params.stop_token_ids, *([] if params.ignore_eos else eos_ids)]
-    return list(dict.fromkeys(ids))
 
 
 class ModelRunner:
@@ -169,6 +230,15 @@ class ModelRunner:
             kv_sharding = kv_row_major_format(kv_sharding)
             self.step = kv_pinned_engine_step(kv_sharding)
         self.kv = allocate_kv(self.kv_spec, kv_sharding)
+        num_slots = config.max_num_seqs + 1  # the last is the padding rows' sink
+        self.batch = PersistentBatch(
+            num_slots,
+            config.max_pages_per_seq,
+            config.page_size,
+            MAX_SUPPRESSED_IDS,
+            model.eos_token_ids,
+        )
+        self.state = self.plan.put_replicated(BatchState.zeros(num_slots, model.config.vocab_size))
         # The cpu and xla backends loop over each sequence's own context, so the page
         # table's width costs them nothing: one context bucket (the largest) saves compiling
         # the others.
@@ -179,80 +249,59 @@ class ModelRunner:
         )
         self.channel = multihost.leader_channel()  # on process 0 of several, else None
 
-    def execute(self, inputs: StepInputs, sampling: SamplingInputs) -> SampledTokens:
-        """One jitted step on host inputs, outputs as numpy; with several processes every
-        one runs it with the same inputs (process 0 sends them first, see multihost.py)."""
+    def execute(
+        self, inputs: StepInputs, sampling: SamplingInputs, rows: RowInputs
+    ) -> SampledTokens:
+        """Dispatches one jitted step on host inputs; returns its outputs as device arrays
+        (not waited for). With several processes every one runs it with the same inputs
+        (process 0 sends them first, see multihost.py)."""
         if self.channel is not None:
-            self.channel.send(inputs, sampling)
-        inputs, sampling = self.plan.put_replicated((inputs, sampling))
+            self.channel.send(inputs, sampling, rows)
+        buffers, layout = pack((inputs, sampling, rows))
+        if self.plan.mesh.size > 1:  # one device: jit's own transfer of numpy is faster
+            buffers = self.plan.put_replicated(buffers)
         with self.plan.activate():
-            out, self.kv = self.step(
+            out, self.kv, self.state = self.step(
                 self.model.params,
                 self.model.config,
                 self.kv,
-                inputs,
-                sampling,
+                self.state,
+                buffers,
+                layout,
                 self.config.max_logprobs,
                 self.backend.name,
             )
-        return fetch(out)
+        return out
 
-    def run(self, chunks: list[ScheduledChunk]) -> SampledTokens:
-        """Runs one step; returns each chunk's sampled token and logprobs (numpy, [rows])."""
-        out = self.execute(*self._prepare(chunks))
-        n = len(chunks)
-        return SampledTokens(
-            out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n]
-        )
-
-    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[StepInputs, SamplingInputs]:
+    def dispatch(self, chunks: list[ScheduledChunk]) -> InFlight:
+        """Dispatches the step running `chunks`; `fetch` waits for its result."""
         cfg = self.config
         num_tokens = _bucket(cfg.token_buckets, sum(c.num_tokens for c in chunks), "tokens")
         num_seqs = _bucket(cfg.seq_buckets, len(chunks), "sequences")
         # Attention reads only cached tokens from the pages, so the context bucket covers
         # the longest cached prefix; a fresh prompt's prefill gathers almost nothing.
         context = _bucket(self.context_buckets, max(c.start for c in chunks), "cached tokens")
-        inputs = build_step_inputs(
-            [SequenceChunk(c.token_ids, c.start, c.request.page_ids) for c in chunks],
-            cfg.page_size,
-            num_tokens,
-            num_seqs,
-            context // cfg.page_size,
+        inputs, sampling, rows = self.batch.prepare(
+            chunks, num_tokens, num_seqs, context // cfg.page_size
         )
-        return inputs, self._sampling_inputs([c.request for c in chunks], num_seqs)
+        logprobs = bool((sampling.num_logprobs[: len(chunks)] >= 0).any())
+        return InFlight(self.execute(inputs, sampling, rows), len(chunks), logprobs)
 
-    def _sampling_inputs(self, requests, num_seqs: int) -> SamplingInputs:
-        def column(values, dtype, pad):
-            out = np.full(num_seqs, pad, dtype)
-            out[: len(values)] = values
-            return out
-
-        params = [r.params for r in requests]
-        history = np.full((num_seqs, self.config.max_model_len), -1, np.int32)
-        suppressed = np.full((num_seqs, MAX_SUPPRESSED_IDS), -1, np.int32)
-        for i, r in enumerate(requests):
-            ids = r.all_token_ids
-            history[i, : len(ids)] = ids
-            if len(r.output_token_ids) < r.params.min_tokens:
-                banned = suppressed_ids(r.params, self.model.eos_token_ids)
-                suppressed[i, : len(banned)] = banned
-        return SamplingInputs(
-            temperature=column([p.temperature for p in params], np.float32, 0.0),
-            top_k=column([p.top_k for p in params], np.int32, 0),
-            top_p=column([p.top_p for p in params], np.float32, 1.0),
-            min_p=column([p.min_p for p in params], np.float32, 0.0),
-            repetition_penalty=column([p.repetition_penalty for p in params], np.float32, 1.0),
-            presence_penalty=column([p.presence_penalty for p in params], np.float32, 0.0),
-            frequency_penalty=column([p.frequency_penalty for p in params], np.float32, 0.0),
-            seeds=column([r.seed for r in requests], np.uint32, 0),
-            num_generated=column([len(r.output_token_ids) for r in requests], np.int32, 0),
-            history_ids=history,
-            num_prompt_tokens=column([len(r.prompt_token_ids) for r in requests], np.int32, 0),
-            suppressed_ids=suppressed,
-            num_logprobs=column(
-                [-1 if p.logprobs is None else p.logprobs for p in params], np.int32, -1
-            ),
+    @staticmethod
+    def fetch(step: InFlight) -> SampledTokens:
+        """Waits for a dispatched step: each chunk's sampled token and logprobs (numpy; the
+        logprob arrays are copied only when some row asked for them)."""
+        n = step.num_rows
+        if not step.logprobs:
+            return SampledTokens(fetch(step.out.token_ids)[:n], None, None, None)
+        out = fetch(step.out)
+        return SampledTokens(
+            out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n]
         )
+
+    def run(self, chunks: list[ScheduledChunk]) -> SampledTokens:
+        """Runs one step and waits for it."""
+        return self.fetch(self.dispatch(chunks))
 
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """The (T, S, context) step shapes this runner uses: the config's, with only the
@@ -270,12 +319,9 @@ class ModelRunner:
 
     def padding_inputs(
         self, num_tokens: int, num_seqs: int, context: int
-    ) -> tuple[StepInputs, SamplingInputs]:
+    ) -> tuple[StepInputs, SamplingInputs, RowInputs]:
         """Inputs of a (T, S, context) step holding padding only."""
-        inputs = build_step_inputs(
-            [], self.config.page_size, num_tokens, num_seqs, context // self.config.page_size
-        )
-        return inputs, self._sampling_inputs([], num_seqs)
+        return self.batch.padding(num_tokens, num_seqs, context // self.config.page_size)
 
 
 def compile_count() -> int:

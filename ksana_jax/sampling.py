@@ -1,9 +1,13 @@
 """On-device sampling inside the jitted step: penalties, temperature, top-k/top-p/min-p,
 per-request seeds, and top-N logprobs.
 
+Penalties read per-row token counts (`PenaltyCounts`: which tokens the prompt holds, how
+often each was generated), kept on device in the persistent batch (runner.BatchState) and
+updated from each step's fed tokens (`count_tokens`), so no step ships a token history.
+
 Every option is data (a per-row array), never structure, so one compiled step serves any
 mix of requests. Work no row of the batch needs is skipped with `lax.cond` on that data:
-the vocabulary sort when every row is greedy, the history scatters when no row has a
+the vocabulary sort when every row is greedy, the penalty-count gathers when no row has a
 penalty, log-softmax and top-N when no row wants logprobs (on CPU these passes over [S, V]
 took ~45 ms of a 64-row SmolLM2 decode step). A row's randomness is
 `fold_in(key(seed), num_generated)` and its noise is
@@ -33,8 +37,8 @@ import jax.numpy as jnp
         "frequency_penalty",
         "seeds",
         "num_generated",
-        "history_ids",
         "num_prompt_tokens",
+        "slots",
         "suppressed_ids",
         "num_logprobs",
     ],
@@ -51,8 +55,8 @@ class SamplingInputs:
     frequency_penalty: jax.Array  # f32[S]
     seeds: jax.Array  # u32[S]
     num_generated: jax.Array  # i32[S]  output tokens so far (the step's noise index)
-    history_ids: jax.Array  # i32[S, M]  prompt then output tokens, padded with -1
     num_prompt_tokens: jax.Array  # i32[S]
+    slots: jax.Array  # i32[S]  each row's row of the PenaltyCounts (its persistent slot)
     suppressed_ids: jax.Array  # i32[S, B]  tokens that must not be sampled now (EOS and stop
     #                                       ids while below min_tokens), padded with -1
     num_logprobs: jax.Array  # i32[S]  top-N logprobs wanted (0..max); -1 = no logprobs at all
@@ -72,20 +76,56 @@ class SampledTokens:
     # (logprobs, top_ids and top_logprobs are zeros when no row of the batch wants logprobs)
 
 
-def apply_penalties(logits: jax.Array, s: SamplingInputs) -> jax.Array:
-    """Repetition (prompt + output tokens), presence and frequency (output tokens) penalties."""
-    num_seqs, vocab = logits.shape
-    history = s.history_ids
-    valid = history >= 0
-    is_output = jnp.arange(history.shape[1])[None, :] >= s.num_prompt_tokens[:, None]
-    rows = jnp.broadcast_to(jnp.arange(num_seqs)[:, None], history.shape)
-    ids = jnp.where(valid, history, vocab)  # out of range: dropped by the scatter
-    seen = jnp.zeros((num_seqs, vocab), jnp.bool_).at[rows, ids].set(True, mode="drop")
-    output_counts = (
-        jnp.zeros((num_seqs, vocab), jnp.float32)
-        .at[rows, ids]
-        .add(jnp.where(is_output, 1.0, 0.0), mode="drop")
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["prompt_mask", "output_counts"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class PenaltyCounts:
+    """Per slot (R persistent rows): the tokens seen so far, split as penalties need them."""
+
+    prompt_mask: jax.Array  # bool[R, V]  token occurs in the prompt
+    output_counts: jax.Array  # i32[R, V]  times the token was generated
+
+    @classmethod
+    def zeros(cls, num_slots: int, vocab: int) -> PenaltyCounts:
+        return cls(
+            jnp.zeros((num_slots, vocab), jnp.bool_), jnp.zeros((num_slots, vocab), jnp.int32)
+        )
+
+
+def count_tokens(
+    counts: PenaltyCounts,
+    slots: jax.Array,
+    token_ids: jax.Array,
+    is_output: jax.Array,
+    reset_slots: jax.Array,
+) -> PenaltyCounts:
+    """Zeroes the rows `reset_slots` i32[S] (out of range: none), then counts token_ids i32[T]
+    into rows `slots` i32[T] (out of range: dropped): as output tokens where is_output
+    bool[T], else as prompt tokens."""
+    vocab = counts.prompt_mask.shape[1]
+    mask = counts.prompt_mask.at[reset_slots].set(False, mode="drop")
+    num = counts.output_counts.at[reset_slots].set(0, mode="drop")
+    ids = jnp.where((token_ids >= 0) & (token_ids < vocab), token_ids, vocab)
+    mask = mask.at[slots, jnp.where(is_output, vocab, ids)].set(True, mode="drop")
+    num = num.at[slots, jnp.where(is_output, ids, vocab)].add(1, mode="drop")
+    return PenaltyCounts(mask, num)
+
+
+def penalties_active(s: SamplingInputs) -> jax.Array:
+    """bool[S]: rows with any penalty."""
+    return (
+        (s.repetition_penalty != 1.0) | (s.presence_penalty != 0.0) | (s.frequency_penalty != 0.0)
     )
+
+
+def apply_penalties(logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts) -> jax.Array:
+    """Repetition (prompt + output tokens), presence and frequency (output tokens) penalties;
+    row i reads its counts from row `s.slots[i]` of `counts`."""
+    output_counts = counts.output_counts[s.slots].astype(jnp.float32)
+    seen = counts.prompt_mask[s.slots] | (output_counts > 0)
     rp = s.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     logits -= s.frequency_penalty[:, None] * output_counts
@@ -122,12 +162,11 @@ def _row_noise(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
     return jax.random.gumbel(key, (vocab,), jnp.float32)
 
 
-def _with_penalties(logits: jax.Array, s: SamplingInputs) -> jax.Array:
-    """apply_penalties, skipped when no row has a penalty (its scatters are the cost)."""
-    active = jnp.any(
-        (s.repetition_penalty != 1.0) | (s.presence_penalty != 0.0) | (s.frequency_penalty != 0.0)
+def _with_penalties(logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts) -> jax.Array:
+    """apply_penalties, skipped when no row has a penalty (its [S, V] gathers are the cost)."""
+    return jax.lax.cond(
+        jnp.any(penalties_active(s)), apply_penalties, lambda x, *_: x, logits, s, counts
     )
-    return jax.lax.cond(active, apply_penalties, lambda x, _: x, logits, s)
 
 
 def _argmax(x: jax.Array) -> jax.Array:
@@ -149,10 +188,13 @@ def _logprobs(
     return chosen, top_ids.astype(jnp.int32), top_logprobs
 
 
-def sample(logits: jax.Array, s: SamplingInputs, max_logprobs: int) -> SampledTokens:
-    """Samples one token per row of logits f32[S, V]."""
+def sample(
+    logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts, max_logprobs: int
+) -> SampledTokens:
+    """Samples one token per row of logits f32[S, V]; `counts` holds every row's tokens so far
+    (including this step's fed tokens) at its slot."""
     raw_logits = logits
-    logits = _with_penalties(logits, s)
+    logits = _with_penalties(logits, s, counts)
     rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], s.suppressed_ids.shape)
     banned = jnp.where(s.suppressed_ids >= 0, s.suppressed_ids, logits.shape[1])
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")

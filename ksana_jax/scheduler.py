@@ -19,34 +19,55 @@ cache once all its tokens' K/V are computed: for running requests at the start o
 abort, preemption), before the page is freed. So a page is never found while it is still
 being written, a chunk cut mid-page is never cached, and generated tokens are cached too
 (a follow-up turn or a preempted request finds its own pages again).
+
+The scheduler owns request state. `schedule()` advances each scheduled request's
+`num_computed_tokens` by its chunk and, for a chunk that samples, counts a placeholder for
+the token being sampled; `update_from_output()` replaces the placeholders with the step's
+sampled tokens, ends requests at a stop token, EOS or max_tokens, frees their pages, and
+starts the other samples of an n > 1 request once the first has computed the prompt. With
+async scheduling the engine schedules step N+1 before step N's tokens are known: a decode
+chunk may then continue from a placeholder (the device feeds it), a request that step N
+finishes may have run one step more (its token is discarded: `update_from_output` skips
+finished requests), and a request whose max_tokens are all scheduled is not run again.
+Each running request holds a slot of the persistent batch (`Request.slot`, in
+[0, max_num_seqs)), so at most max_num_seqs requests run.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
+from collections.abc import Sequence
 
 from ksana_jax.page_manager import PageManager
 from ksana_jax.prefix_cache import page_hash, root_hash
 from ksana_jax.request import Request, RequestStatus
+from ksana_jax.sampling_params import SamplingParams
+
+
+def has_penalty(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledChunk:
-    """`num_tokens` of `request`'s known tokens from position `start` run this step."""
+    """`num_tokens` of `request`'s tokens from position `start` run this step; `samples`:
+    the chunk reaches the request's last token, so its logits are sampled."""
 
     request: Request
     start: int
     num_tokens: int
+    samples: bool
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_tokens]
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the last known token, so its logits are sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        """The chunk's known tokens (a placeholder at its end is not among them)."""
+        return self.request.token_ids(self.start, self.start + self.num_tokens)
 
 
 @dataclasses.dataclass
@@ -65,19 +86,32 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, pages: PageManager, page_size: int, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        pages: PageManager,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: Sequence[int] = (),
     ):
         self.pages = pages
         self.cache = pages.cache
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key
+        self._free_slots = list(range(max_num_seqs))  # a heap: lowest slot first
+        # n > 1 with the prefix cache: samples that start once the first computed the prompt.
+        self._after_prompt: dict[str, list[Request]] = {}
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, after_prompt: Sequence[Request] = ()) -> None:
+        """Queues a request; `after_prompt` (its siblings) are queued once it has sampled its
+        first token, so they find its prompt's pages in the prefix cache."""
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+        if after_prompt:
+            self._after_prompt[request.request_id] = list(after_prompt)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -91,6 +125,38 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self._after_prompt.pop(request.request_id, None)
+
+    def update_from_output(
+        self, scheduled: SchedulerOutput, token_ids: Sequence[int]
+    ) -> list[tuple[int, Request]]:
+        """Applies a step's sampled tokens (`token_ids[i]` for chunk i): each sampling chunk
+        whose request is not finished gets its token, and ends at a stop token id, EOS (past
+        min_tokens) or max_tokens. Returns (chunk index, request) for each request that got a
+        token; a finished request's token is discarded (async scheduling ran it once more)."""
+        advanced = []
+        for row, chunk in enumerate(scheduled.chunks):
+            request = chunk.request
+            if not chunk.samples or request.is_finished:
+                continue
+            request.num_placeholders -= 1
+            token = int(token_ids[row])
+            request.output_token_ids.append(token)
+            advanced.append((row, request))
+            if len(request.output_token_ids) == 1:  # the prompt is computed
+                for sibling in self._after_prompt.pop(request.request_id, ()):
+                    self.add(sibling)
+            params = request.params
+            num_out = len(request.output_token_ids)
+            can_stop = num_out > params.min_tokens or num_out == params.max_tokens
+            if can_stop and (
+                token in params.stop_token_ids
+                or (token in self.eos_token_ids and not params.ignore_eos)
+            ):
+                self.finish(request, "stop")
+            elif num_out >= params.max_tokens:
+                self.finish(request, "length")
+        return advanced
 
     def schedule(self) -> SchedulerOutput:
         for request in self.running:
@@ -102,6 +168,8 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if request.num_output_tokens >= request.params.max_tokens:
+                continue  # every token it may have is scheduled: it ends with its last one
             if budget == 0 or len(chunks) == self.max_num_seqs:
                 break
             n = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -112,23 +180,39 @@ class Scheduler:
                 if victim is request:
                     break
             if request.status is RequestStatus.RUNNING:
-                chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+                chunks.append(self._chunk(request, n))
                 budget -= n
         # Start (or resume) waiting requests only when nothing had to be preempted.
-        while self.waiting and not preempted and budget and len(chunks) < self.max_num_seqs:
+        while (
+            self.waiting
+            and not preempted
+            and budget
+            and len(chunks) < self.max_num_seqs
+            and len(self.running) < self.max_num_seqs
+        ):
             request = self.waiting[0]
             n = self._admit(request, budget)
             if n == 0:
                 break
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
+            request.slot = heapq.heappop(self._free_slots)
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
-            chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
-            budget -= n
             if self.cache is not None and not request.num_preemptions:
                 out.prefix_cache_queries += request.num_tokens
                 out.prefix_cache_hits += request.num_computed_tokens
+            chunks.append(self._chunk(request, n))
+            budget -= n
+        for chunk in chunks:  # the step computes them; a sampling one adds a (future) token
+            chunk.request.num_computed_tokens += chunk.num_tokens
+            chunk.request.num_placeholders += chunk.samples
         return out
+
+    @staticmethod
+    def _chunk(request: Request, n: int) -> ScheduledChunk:
+        assert n > 0 and not (request.num_placeholders and n > 1), (n, request.num_placeholders)
+        start = request.num_computed_tokens
+        return ScheduledChunk(request, start, n, start + n == request.num_tokens)
 
     def _admit(self, request: Request, budget: int) -> int:
         """Gives a waiting request its cached prefix and the pages of its first chunk.
@@ -136,7 +220,10 @@ class Scheduler:
         Returns the chunk's size, or 0 if pages are short: then the request holds nothing,
         and its cached pages are back in the cache, now the most recently released.
         """
-        if self.cache is not None:
+        assert not request.num_placeholders, "a request waits until its tokens are known"
+        # Penalty counts are built from the tokens a request computes, so a request with a
+        # penalty computes them all (batch.py); it still fills the cache for others.
+        if self.cache is not None and not has_penalty(request.params):
             max_pages = (request.num_tokens - 1) // self.page_size  # the last token computes
             page_ids, hashes = self.cache.lookup(
                 request.all_token_ids, max_pages, request.cache_salt
@@ -174,10 +261,14 @@ class Scheduler:
         request.page_ids = []
         request.page_hashes = []
         request.num_computed_tokens = 0
+        if request.slot >= 0:
+            heapq.heappush(self._free_slots, request.slot)
+            request.slot = -1
 
     def _cache_computed_pages(self, request: Request) -> None:
-        """Names each of the request's pages whose tokens are all computed in the cache."""
-        num_full = request.num_computed_tokens // self.page_size
+        """Names each of the request's pages whose tokens are all computed (and known: not a
+        placeholder) in the cache."""
+        num_full = min(request.num_computed_tokens, request.num_known_tokens) // self.page_size
         if self.cache is None or len(request.page_hashes) >= num_full:
             return
         token_ids = request.all_token_ids

@@ -1,8 +1,9 @@
 """Prometheus metrics (prometheus-client), one registry per app.
 
 Engine-side numbers (queue lengths, KV usage, token counters, prefix-cache counters,
-compilations) are read from the engine when Prometheus scrapes, so they cannot drift from
-the engine's own state; request latencies are observed by the handlers as requests finish.
+compilations, host and device time per step, device-idle fraction) are read from the
+engine when Prometheus scrapes, so they cannot drift from the engine's own state; request
+latencies are observed by the handlers as requests finish.
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from ksana_jax.async_engine import AsyncEngine
@@ -23,7 +28,9 @@ class _EngineCollector(Collector):
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(
+        self,
+    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         snap = self.engine.snapshot()
         gauges = {
             "ksana_num_requests_running": ("Requests in the running batch.", snap.running),
@@ -51,6 +58,24 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        timer = snap.step_timer
+        histograms = {
+            "ksana_step_host_milliseconds": (
+                "Host time of an engine step (schedule, prepare, dispatch, update, emit).",
+                timer.host_ms,
+            ),
+            "ksana_step_device_milliseconds": (
+                "Device time of an engine step (an upper bound; see step_metrics.py).",
+                timer.device_ms,
+            ),
+        }
+        for name, (doc, hist) in histograms.items():
+            yield HistogramMetricFamily(name, doc, buckets=hist.cumulative(), sum_value=hist.total)
+        yield GaugeMetricFamily(
+            "ksana_device_idle_ratio",
+            "Fraction of time the device sat idle between steps while there was work.",
+            value=timer.idle_fraction,
+        )
 
 
 class Metrics:

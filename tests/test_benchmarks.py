@@ -144,3 +144,19 @@ def test_tpu_kernel_compile_lists_the_current_kernels(monkeypatch):
     for _, fn, shapes in found:
         exported = jax.export.export(fn, platforms=["tpu"])(*shapes)
         assert "tpu_custom_call" in exported.mlir_module()
+
+
+def test_host_overhead_pieces_run_on_the_engine(tmp_path, capsys):
+    host_overhead = load_script("host_overhead")
+    write_tiny_hf(tmp_path / "hf", eos_token_id=None)
+    model = ksana_jax.load(tmp_path / "hf")
+    results = []
+    for asynchronous in (False, True):
+        row = host_overhead.measure(model, 2, 128, 3, asynchronous)
+        assert row["tok_s"] > 0 and row["host_ms"] > 0 and 0 <= row["idle"] <= 1
+        results.append(("tiny", 128, 2, asynchronous, row))
+    host_overhead.print_header()
+    for result in results:
+        host_overhead.print_row(*result)
+    host_overhead.print_ratios(results)
+    assert "async on/off" in capsys.readouterr().out

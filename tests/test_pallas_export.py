@@ -174,6 +174,7 @@ def test_engine_step_lowers_for_cuda_without_a_while_loop(tmp_path, monkeypatch)
 
     import ksana_jax
     from ksana_jax import runner
+    from ksana_jax.batch import pack
     from ksana_jax.config import EngineConfig
 
     write_tiny_hf(tmp_path / "hf", eos_token_id=None)
@@ -188,18 +189,19 @@ def test_engine_step_lowers_for_cuda_without_a_while_loop(tmp_path, monkeypatch)
         attention_backend="pallas_gpu",
     )
     step_runner = runner.ModelRunner(model, config)
-    inputs, sampling = step_runner.padding_inputs(32, 4, 128)
+    buffers, layout = pack(step_runner.padding_inputs(32, 4, 128))
+    state = step_runner.state
 
-    def step(params, kv, inputs, sampling):
+    def step(params, kv, state, buffers):
         return runner.engine_step(
-            params, model.config, kv, inputs, sampling, config.max_logprobs, "pallas_gpu"
+            params, model.config, kv, state, buffers, layout, config.max_logprobs, "pallas_gpu"
         )
 
     kv = jax.ShapeDtypeStruct(step_runner.kv.shape, step_runner.kv.dtype)
     # Traced as on a GPU: the model picks compiled kernels, not the interpreter.
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     exported = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=TRITON)(
-        model.params, kv, inputs, sampling
+        model.params, kv, state, buffers
     )
     module = exported.mlir_module()
     assert module.count(paged_attention_gpu.TRITON_CUSTOM_CALL) >= 2  # attention, KV write

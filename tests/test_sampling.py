@@ -16,13 +16,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ksana_jax.sampling import SamplingInputs, _filter, apply_penalties, sample
+from ksana_jax.sampling import (
+    PenaltyCounts,
+    SamplingInputs,
+    _filter,
+    apply_penalties,
+    count_tokens,
+    sample,
+)
 from ksana_jax.sampling_params import SamplingParams
 
 V = 16  # vocabulary of every sampler call here
@@ -61,8 +69,37 @@ DTYPES = dict(
 )
 
 
-def make_inputs(num_seqs: int, history=None, suppressed=None, **fields) -> SamplingInputs:
-    """SamplingInputs with per-row fields (scalars broadcast); history -1 padded to M."""
+class Rows(NamedTuple):
+    """A sampler call's per-row inputs: SamplingInputs and the rows' PenaltyCounts (row i at
+    slot i)."""
+
+    s: SamplingInputs
+    counts: PenaltyCounts
+
+    def replace(self, **fields) -> Rows:
+        return self._replace(s=dataclasses.replace(self.s, **fields))
+
+    def __getattr__(self, name):
+        return getattr(self.s, name)
+
+
+def counts_from_history(history, num_prompt, vocab=V) -> PenaltyCounts:
+    """The engine's penalty counts for rows of history (prompt then output, -1 padded), built
+    as the runner builds them: one count_tokens call over every known token."""
+    num_seqs = history.shape[0]
+    slots = np.repeat(np.arange(num_seqs), M)
+    is_output = (np.arange(M)[None, :] >= np.asarray(num_prompt)[:, None]).reshape(-1)
+    return count_tokens(
+        PenaltyCounts.zeros(num_seqs, vocab),
+        jnp.asarray(slots, jnp.int32),
+        jnp.asarray(history.reshape(-1)),
+        jnp.asarray(is_output),
+        jnp.asarray(np.arange(num_seqs), jnp.int32),
+    )
+
+
+def make_inputs(num_seqs: int, history=None, suppressed=None, vocab=V, **fields) -> Rows:
+    """Rows with per-row fields (scalars broadcast); history -1 padded to M."""
     arrays = {}
     for name, default in DEFAULTS.items():
         value = np.asarray(fields.pop(name, default))
@@ -75,23 +112,28 @@ def make_inputs(num_seqs: int, history=None, suppressed=None, **fields) -> Sampl
     history = np.asarray(history, np.int32)
     assert history.shape == (num_seqs, M)
     suppressed = np.full((num_seqs, 4), -1, np.int32) if suppressed is None else suppressed
-    return SamplingInputs(
-        history_ids=jnp.asarray(history),
+    s = SamplingInputs(
         suppressed_ids=jnp.asarray(suppressed, jnp.int32),
+        slots=jnp.arange(num_seqs, dtype=jnp.int32),
         **arrays,
     )
+    return Rows(s, counts_from_history(history, arrays["num_prompt_tokens"], vocab))
 
 
-def take_rows(s: SamplingInputs, rows) -> SamplingInputs:
-    return jax.tree.map(lambda x: x[np.asarray(rows)], s)
+def _renumber(rows: Rows) -> Rows:
+    return rows.replace(slots=jnp.arange(rows.s.slots.shape[0], dtype=jnp.int32))
 
 
-def concat_inputs(parts: list[SamplingInputs]) -> SamplingInputs:
-    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+def take_rows(rows: Rows, index) -> Rows:
+    return _renumber(jax.tree.map(lambda x: x[np.asarray(index)], rows))
 
 
-def run(logits, s: SamplingInputs):
-    out = sample_jit(jnp.asarray(logits, jnp.float32), s)
+def concat_inputs(parts: list[Rows]) -> Rows:
+    return _renumber(jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts))
+
+
+def run(logits, rows: Rows):
+    out = sample_jit(jnp.asarray(logits, jnp.float32), rows.s, rows.counts)
     return jax.tree.map(np.asarray, out)
 
 
@@ -182,7 +224,7 @@ def test_apply_penalties_handcrafted():
         frequency_penalty=0.5,
         presence_penalty=0.25,
     )
-    out = np.asarray(penalties_jit(jnp.asarray(logits), s))
+    out = np.asarray(penalties_jit(jnp.asarray(logits), s.s, s.counts))
     expected0 = [1.0, -4.0, 1.5 - 3 * 0.5 - 0.25, 0.5 - 0.5 - 0.25]
     np.testing.assert_allclose(out[0, :4], expected0, rtol=1e-6)
     np.testing.assert_allclose(out[1, :4], [1.0, -4.0, 1.5, 1.0], rtol=1e-6)
@@ -213,7 +255,7 @@ def test_apply_penalties_matches_numpy(trial):
         presence_penalty=pres,
         frequency_penalty=freq,
     )
-    out = np.asarray(penalties_jit(jnp.asarray(logits), s))
+    out = np.asarray(penalties_jit(jnp.asarray(logits), s.s, s.counts))
     expected = np_penalties(logits, history, num_prompt, rep, pres, freq)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     assert not np.allclose(out, logits)  # the penalties did something
@@ -456,8 +498,7 @@ def test_greedy_is_argmax_of_penalized_logits_and_ignores_seeds():
     assert not np.array_equal(expected, logits.argmax(axis=1))  # penalties matter here
     out = run(logits, s)
     np.testing.assert_array_equal(out.token_ids, expected)
-    reseeded = dataclasses.replace(
-        s,
+    reseeded = s.replace(
         seeds=jnp.asarray(rng.integers(0, 2**32, S, dtype=np.uint64).astype(np.uint32)),
         num_generated=s.num_generated + 17,
     )
@@ -471,7 +512,7 @@ def test_greedy_rows_unaffected_by_random_rows_in_the_batch():
     greedy = f["temperature"] == 0
     assert 3 <= greedy.sum() <= S - 3
     mixed = run(logits, s)
-    all_greedy = run(logits, dataclasses.replace(s, temperature=jnp.zeros(S, jnp.float32)))
+    all_greedy = run(logits, s.replace(temperature=jnp.zeros(S, jnp.float32)))
     np.testing.assert_array_equal(mixed.token_ids[greedy], all_greedy.token_ids[greedy])
     penalized = np_penalties(
         logits,
@@ -618,12 +659,14 @@ def test_suppressed_ids_are_never_sampled():
     """min_tokens: EOS / stop ids are banned on device while a request is below min_tokens."""
     logits = np.tile(np.array([[0.0, 5.0, 4.0, 1.0, -1.0, 3.0]], np.float32), (3, 1))
     suppressed = np.array([[1, -1, -1, -1], [1, 2, -1, -1], [-1, -1, -1, -1]], np.int32)
-    greedy = run(logits, make_inputs(3, suppressed=suppressed, temperature=0.0))
+    greedy = run(logits, make_inputs(3, suppressed=suppressed, vocab=6, temperature=0.0))
     assert greedy.token_ids.tolist() == [2, 5, 1]
     # Sampling never picks them either; logprobs stay those of the raw distribution.
     many = np.tile(logits[:1], (256, 1))
     banned = np.tile(np.array([[1, 2, -1, -1]], np.int32), (256, 1))
-    out = run(many, make_inputs(256, suppressed=banned, temperature=1.0, seeds=np.arange(256)))
+    out = run(
+        many, make_inputs(256, suppressed=banned, vocab=6, temperature=1.0, seeds=np.arange(256))
+    )
     assert not set(out.token_ids.tolist()) & {1, 2}
     raw = logits[0] - np.log(np.exp(logits[0]).sum())
     np.testing.assert_allclose(out.logprobs, raw[out.token_ids], atol=1e-5)

@@ -68,16 +68,26 @@ def make_request(arrival: int, prompt_len: int, max_tokens: int = 16, priority: 
     )
 
 
-def sampled_token(request: Request) -> int:
-    """What the fake device samples: depends only on the request and its output length."""
-    return 10**6 + 1000 * request.arrival + len(request.output_token_ids)
+def sampled_token(request: Request, index: int | None = None) -> int:
+    """What the fake device samples: depends only on the request and the output's index
+    (by default the next one)."""
+    index = len(request.output_token_ids) if index is None else index
+    return 10**6 + 1000 * request.arrival + index
+
+
+def device_tokens(request: Request) -> list[int]:
+    """The request's tokens as the fake device knows them: the known ones, then those still
+    placeholders on the host (sampled by a step whose output is not applied yet)."""
+    n = len(request.output_token_ids)
+    pending = [sampled_token(request, n + k) for k in range(request.num_placeholders)]
+    return request.all_token_ids + pending
 
 
 def fingerprints(request: Request) -> list[int]:
     """What the fake device stores for each position: like real K/V, it depends on the token
     there, every token before it, and the cache salt."""
     chain = itertools.accumulate(
-        request.all_token_ids, lambda fp, t: hash((fp, t)), initial=hash(request.cache_salt)
+        device_tokens(request), lambda fp, t: hash((fp, t)), initial=hash(request.cache_salt)
     )
     return list(chain)[1:]
 
@@ -223,10 +233,17 @@ STATS: collections.Counter = collections.Counter()
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random add / step / abort over a small pool, checked against the engine protocol."""
+    """Random add / step / abort over a small pool, checked against the engine protocol.
+
+    With `asynchronous`, the engine's async scheduling: a step's output is applied after the
+    next step is scheduled (decode chunks then continue from placeholders, and a request
+    that the late output finishes may have been scheduled once more)."""
+
+    asynchronous = False
 
     def __init__(self):
         super().__init__()
+        self.pending: SchedulerOutput | None = None  # scheduled, output not applied yet
         self.sched: Scheduler | None = None
         self.live: list[Request] = []  # added and not finished, in arrival order
         self.finished: list[Request] = []
@@ -310,6 +327,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def end(self, request: Request, reason: str) -> None:
         self.sched.finish(request, reason)
+        self.retire(request, reason)
+
+    def retire(self, request: Request, reason: str) -> None:
         assert request.status is RequestStatus.FINISHED
         assert request.finish_reason == reason
         assert request.page_ids == []
@@ -341,8 +361,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(chunks) <= sched.max_num_seqs
         assert out.num_tokens == sum(c.num_tokens for c in chunks)
         assert out.num_tokens <= sched.max_num_batched_tokens
-        # Something always runs while something is unfinished (a max-size request fits).
-        assert bool(chunks) == had_work
+        # Something always runs while something is unfinished (a max-size request fits),
+        # unless (async) requests whose last token is in flight still hold pages or slots.
+        waiting_for_last = [r for r in running_before if r.num_output_tokens >= r.params.max_tokens]
+        stalled = self.pending is not None and bool(waiting_for_last)
+        assert bool(chunks) == had_work or (stalled and not chunks)
         # No request twice in a step.
         assert len({id(r) for r in requests}) == len(requests)
 
@@ -355,8 +378,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert c.start == before[r.request_id][0], "chunk does not start at computed"
             else:
                 self.check_start(c, evicted)
-            assert c.start + c.num_tokens <= r.num_tokens
-            assert c.samples == (c.start + c.num_tokens == r.num_tokens)
+            # (a sampling chunk has added a placeholder for its token)
+            assert c.start + c.num_tokens <= r.num_tokens - c.samples
+            assert c.samples == (c.start + c.num_tokens == r.num_tokens - c.samples)
+            assert c.num_tokens == 1 or c.start + c.num_tokens <= r.num_known_tokens
             assert c.token_ids == r.all_token_ids[c.start : c.start + c.num_tokens]
             # Exactly the pages this chunk needs: enough, and no more.
             assert len(r.page_ids) == cdiv(c.start + c.num_tokens, ps)
@@ -368,12 +393,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert [r.sort_key for r in old] == sorted(r.sort_key for r in old)
         assert all(a is b for a, b in zip(new, waiting_before, strict=False))
         assert len(new) <= len(waiting_before)
-        if running_before:
+        if running_before and not waiting_for_last:
             # The best-ranked running request always runs: it is only ever preempted when
             # it ranks last, i.e. alone, and alone it fits (this is what makes progress).
             assert requests and requests[0] is running_before[0]
         skipped = [
-            r for r in running_before if not contains(old, r) and not contains(out.preempted, r)
+            r
+            for r in running_before
+            if not contains(old, r)
+            and not contains(out.preempted, r)
+            and not contains(waiting_for_last, r)
         ]
         budget_left = sched.max_num_batched_tokens - out.num_tokens
         seqs_left = sched.max_num_seqs - len(chunks)
@@ -384,7 +413,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not new
         if out.preempted:
             assert not new, "a waiting request started in a step that had to preempt"
-        elif sched.waiting and budget_left and seqs_left:
+        elif (
+            sched.waiting
+            and budget_left
+            and seqs_left
+            and len(sched.running) < seqs_left + len(chunks)
+        ):
+            # (async: a request whose last token is in flight still holds its slot)
             self.check_head_blocked(sched.waiting[0], budget_left)
 
         # Preemption: the victims are running requests ranked below everything that ran.
@@ -421,22 +456,31 @@ class SchedulerMachine(RuleBasedStateMachine):
             ]
             assert seen == fingerprints(r)[: c.start + c.num_tokens], "K/V clobbered"
 
-        # Postprocess, as the engine does.
-        for c in chunks:
-            r = c.request
-            r.num_computed_tokens += c.num_tokens
-            if not c.samples:
-                continue
-            token = sampled_token(r)
-            r.output_token_ids.append(token)
-            self.expected_out[r.request_id].append(token)
-            max_tokens, stop_at = self.spec[r.request_id]
-            if len(r.output_token_ids) >= max_tokens:
-                self.end(r, "length")
-            elif len(r.output_token_ids) == stop_at:
-                self.end(r, "stop")
+        # Postprocess, as the engine does (async: the previous step's output).
+        if self.asynchronous:
+            self.pending, out = out, self.pending
+        if out is not None:
+            self.apply(out)
         STATS["steps"] += 1
-        return out
+        return self.pending if self.asynchronous else out
+
+    def apply(self, out: SchedulerOutput) -> None:
+        """A step's output: the scheduler appends the tokens and ends requests at max_tokens;
+        the engine stops them at a drawn point (a stop string). A request that finished
+        meanwhile (async) gets nothing."""
+        chunks = [c for c in out.chunks if c.samples and not c.request.is_finished]
+        tokens = [sampled_token(c.request) for c in chunks]
+        advanced = self.sched.update_from_output(
+            out, [sampled_token(c.request) if c.samples else -1 for c in out.chunks]
+        )
+        assert [r for _, r in advanced] == [c.request for c in chunks]
+        for (_, r), token in zip(advanced, tokens, strict=True):
+            self.expected_out[r.request_id].append(token)
+            if r.is_finished:
+                assert r.finish_reason == "length"
+                self.retire(r, "length")
+            elif len(r.output_token_ids) == self.spec[r.request_id][1]:
+                self.end(r, "stop")
 
     # ---- invariants
 
@@ -459,7 +503,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_tokens, _ = self.spec[r.request_id]
             assert r.output_token_ids == self.expected_out[r.request_id]
             assert len(r.output_token_ids) < max_tokens
-            assert r.num_tokens <= len(r.prompt_token_ids) + max_tokens - 1
+            assert r.num_known_tokens <= len(r.prompt_token_ids) + max_tokens - 1
             if contains(sched.running, r):
                 assert r.status is RequestStatus.RUNNING
                 assert r.num_computed_tokens < r.num_tokens
@@ -621,6 +665,28 @@ def test_prefix_cache_scheduler_state_machine():
     assert STATS["preemptions"] > 20 and STATS["abort preempted"] > 0, STATS
 
 
+class AsyncSchedulerMachine(SchedulerMachine):
+    asynchronous = True
+
+
+class AsyncPrefixCacheSchedulerMachine(PrefixCacheSchedulerMachine):
+    asynchronous = True
+
+
+def test_scheduler_state_machine_with_async_scheduling():
+    STATS.clear()
+    run_state_machine_as_test(AsyncSchedulerMachine, settings=MACHINE_SETTINGS)
+    assert STATS["preemptions"] > 50 and STATS["abort preempted"] > 0, STATS
+    assert STATS["finish length"] > 0 and STATS["finish stop"] > 0, STATS
+
+
+def test_prefix_cache_scheduler_state_machine_with_async_scheduling():
+    STATS.clear()
+    run_state_machine_as_test(AsyncPrefixCacheSchedulerMachine, settings=MACHINE_SETTINGS)
+    assert STATS["hit tokens"] > 1000 and STATS["shared pages"] > 50, STATS
+    assert STATS["preemptions"] > 20 and STATS["abort preempted"] > 0, STATS
+
+
 # --------------------------------------------------------------------------- unit tests
 
 
@@ -636,13 +702,7 @@ def engine_step(sched: Scheduler) -> SchedulerOutput:
     appended)."""
     out = sched.schedule()
     out.sampled = [c.samples for c in out.chunks]
-    for c in out.chunks:
-        r = c.request
-        r.num_computed_tokens += c.num_tokens
-        if c.samples:
-            r.output_token_ids.append(sampled_token(r))
-            if len(r.output_token_ids) >= r.params.max_tokens:
-                sched.finish(r, "length")
+    sched.update_from_output(out, [sampled_token(c.request) for c in out.chunks])
     return out
 
 

