@@ -93,11 +93,15 @@ def test_prefix_cache_hits_keep_greedy_outputs(family):
         assert_same_greedy(hf_model, prompt, b.outputs[0].token_ids, want)
 
 
-def test_no_compilation_after_warm_up(tmp_path):
-    """A windowed, soft-capped family on the default backend: the per-layer window and caps
-    are static, so serving after warm-up compiles nothing."""
+@pytest.mark.parametrize(
+    "case", ["gemma2_softcap", "gemma3_text", "qwen3_window", "mistral_window"]
+)
+def test_no_compilation_after_warm_up(tmp_path, case):
+    """Every family on the default backend, windowed and soft-capped where it has them: the
+    per-layer window and caps are static, so serving after warm-up compiles nothing."""
     compiles = record_compilations()
-    model = ksana_jax.load(_gemma2(tmp_path))
+    write_case(tmp_path / "hf", case, eos_token_id=None)
+    model = ksana_jax.load(tmp_path / "hf")
     config = BASE | dict(max_model_len=256, context_buckets=(64, 256), num_pages=70)
     llm = LLM(model, **config)
     warm = compile_count()
@@ -107,8 +111,3 @@ def test_no_compilation_after_warm_up(tmp_path):
     assert llm.engine.stats.preemptions > 0 and llm.engine.stats.prefix_cache_hits > 0
     assert compile_count() == warm
     assert compiles == []
-
-
-def _gemma2(tmp_path):
-    write_case(tmp_path / "hf", "gemma2_softcap", eos_token_id=None)
-    return tmp_path / "hf"

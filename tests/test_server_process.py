@@ -87,4 +87,10 @@ def test_health_answers_while_five_4mb_prompts_are_tokenized(server):
     # Each prompt is far longer than max_model_len: tokenized, then refused.
     assert statuses == [400] * 5
     assert elapsed > 1 and len(latencies) > 10, (elapsed, len(latencies))
-    assert max(latencies) < 0.2, sorted(latencies)[-5:]
+    # On the event loop, tokenizing these stalled /health for 7-10 s at a time. Off it, a
+    # probe answers within 200 ms; on a busy 2-core machine the OS may still hold back one
+    # of the probe's or the server's threads for a moment, so 95% of the probes must answer
+    # within 200 ms and none may take a second (a stall of the loop would take several).
+    slow = [t for t in latencies if t >= 0.2]
+    assert len(slow) <= len(latencies) // 20, sorted(latencies)[-5:]
+    assert max(latencies) < 1.0, sorted(latencies)[-5:]
