@@ -642,7 +642,8 @@ def test_a_stream_never_started_still_frees_its_requests(inprocess):
     import gc
 
     from ksana_jax import SamplingParams
-    from server.app import _event_stream, _Run
+    from server.streaming import Run as _Run
+    from server.streaming import event_stream as _event_stream
 
     engine, http = inprocess
     assert engine.ready.wait(60)
