@@ -3,13 +3,15 @@
 One background thread owns the LLMEngine and the device: it applies queued commands (add,
 abort), runs `engine.step()` while there is work, and hands each RequestOutput to the
 asyncio queue of its request on that request's event loop; the request's iterator yields
-those deltas, or (by default, what the server reads today) adds them up and yields
-cumulative outputs. `add_request` validates and
-tokenizes in the caller (so bad input raises right there, before anything is queued) and
-returns an async iterator of outputs; leaving the iterator early (e.g. a client
-disconnect) aborts the request, which frees its pages. With `warm_up=True` the thread
-compiles every step bucket before taking requests and sets `ready` when done (the server's
-health check waits for it).
+those deltas (`delta=True`, what the server streams), or by default adds them up and yields
+cumulative outputs. `add_request` validates and tokenizes in the caller (so bad input raises
+right there, before anything is queued) and returns an async iterator of outputs; leaving
+the iterator early (e.g. a client disconnect) aborts the request, which frees its pages.
+With `warm_up=True` the thread compiles every step bucket before taking requests and sets
+`ready` when done (the server's health check waits for it).
+
+This is the server's only way to the engine: besides requests it offers the tokenizer, the
+context length and the model's generation config, read-only.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import dataclasses
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from ksana_jax.engine import LLMEngine, _Group
 from ksana_jax.outputs import RequestOutput
 from ksana_jax.runner import compile_count
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.step_metrics import StepTimer
+from ksana_jax.tokenizer import Tokenizer
 
 
 class EngineDeadError(RuntimeError):
@@ -68,6 +72,32 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="ksana-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (thread-safe to read: encode, decode, chat template)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus output tokens, at most, of one request."""
+        return self.engine.config.max_model_len
+
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        """The checkpoint's generation_config.json (the server's sampling defaults)."""
+        return self.engine.model.generation_config
+
+    def make_group(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> _Group:
+        """Validates and tokenizes a request for `add_group`, touching no engine state: safe
+        in any thread (the server calls it off the event loop). Bad input: ValueError."""
+        return self.engine.make_group(request_id, prompt, params, priority)
+
     async def add_request(
         self,
         request_id: str,
@@ -80,13 +110,11 @@ class AsyncEngine:
         the engine's deltas with `delta=True`, else cumulative outputs (each a copy)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
-        group = self.engine.make_group(request_id, prompt, params, priority)
-        return await self.add_group(group, delta)
+        return await self.add_group(self.make_group(request_id, prompt, params, priority), delta)
 
     async def add_group(self, group: _Group, delta: bool = False) -> AsyncIterator[RequestOutput]:
-        """Queues a request that `engine.make_group` made (in any thread: the server makes
-        them off the event loop); returns an async iterator of its outputs (deltas or
-        cumulative, as `add_request`)."""
+        """Queues a request that `make_group` made; returns an async iterator of its
+        outputs (deltas or cumulative, as `add_request`)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         request_id = group.request_id

@@ -110,7 +110,7 @@ def serve(
     if server.stopping.is_set():
         print(
             f"ksana-jax: stopped; {server.num_aborted} request(s) aborted, KV cache usage "
-            f"{async_engine.engine.kv_cache_usage:.0%}",
+            f"{async_engine.snapshot().kv_cache_usage:.0%}",
             file=sys.stderr,
             flush=True,
         )

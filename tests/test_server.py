@@ -291,6 +291,37 @@ def test_chat_streaming_and_not(client, llm):
     assert chunks[-1].usage.completion_tokens == len(want.token_ids)
 
 
+def test_streamed_chat_equals_whole_with_n_and_logprobs(client):
+    """Per choice: a role chunk first, then content and logprobs that join to the whole
+    response's, then one finish chunk; usage equals the whole response's."""
+    kw = dict(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "w20 w21"}],
+        n=2,
+        temperature=1.0,
+        seed=11,
+        max_tokens=8,
+        stop=["w3"],
+        logprobs=True,
+        top_logprobs=2,
+    )
+    whole = client.chat.completions.create(**kw)
+    stream = client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    for want in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == want.index]
+        assert mine[0].delta.role == "assistant"
+        assert [m.finish_reason for m in mine[1:]] == [None] * (len(mine) - 2) + [
+            want.finish_reason
+        ]
+        assert "".join(m.delta.content or "" for m in mine) == want.message.content
+        tokens = [t for m in mine if m.logprobs for t in m.logprobs.content]
+        assert tokens == want.logprobs.content
+    assert chunks[-1].usage == whole.usage
+
+
 def test_models_health_and_metrics(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
@@ -642,7 +673,8 @@ def test_a_stream_never_started_still_frees_its_requests(inprocess):
     import gc
 
     from ksana_jax import SamplingParams
-    from server.app import _event_stream, _Run
+    from server.streaming import Run as _Run
+    from server.streaming import event_stream as _event_stream
 
     engine, http = inprocess
     assert engine.ready.wait(60)

@@ -1,0 +1,122 @@
+"""POST /v1/chat/completions: messages -> the checkpoint's chat template -> text.
+
+    in:  a ChatCompletionRequest: messages (text content, or text parts joined), sampling
+         fields, n, logprobs/top_logprobs, max_completion_tokens, stream
+    out: a ChatCompletionResponse with n assistant messages, or, streaming, per choice a
+         role chunk, content chunks (the engine's deltas as they come), a finish chunk, the
+         usage chunk if asked for, then `[DONE]`
+
+The template is applied in a worker thread and its text encoded in a worker process
+(tokenize_pool.py), off the event loop. Errors name the fields as the chat client sent them
+(`top_logprobs`, `max_completion_tokens`), not as the engine calls them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from litestar import Request, post
+
+from ksana_jax.outputs import CompletionOutput, RequestOutput
+from ksana_jax.tokenizer import TemplateError, Tokenizer
+from server import schemas as s
+from server.admission import (
+    ServerState,
+    admit,
+    renamed,
+    require_api_key,
+    sampling_params,
+    state_of,
+)
+from server.errors import APIError
+from server.logprobs import chat_logprobs
+from server.streaming import ChoiceProgress, Run, collect, event_stream
+
+
+async def _chat_prompt(state: ServerState, data: s.ChatCompletionRequest) -> list[int]:
+    """The chat template (a worker thread) applied and encoded (a worker process)."""
+    text = await state.work.run(_chat_text, state.engine.tokenizer, data)
+    return await state.work.encode(text, add_special_tokens=False)
+
+
+def _chat_text(tokenizer: Tokenizer, data: s.ChatCompletionRequest) -> str:
+    messages = []
+    for m in data.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    try:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=data.add_generation_prompt
+        )
+    except (TemplateError, ValueError) as e:
+        raise APIError(400, f"chat template: {e}", param="messages") from None
+
+
+@post("/v1/chat/completions", status_code=200, guards=[require_api_key])
+async def create_chat_completion(request: Request, data: s.ChatCompletionRequest) -> Any:
+    state = state_of(request)
+    admit(state, data, 1)
+    if data.top_logprobs is not None and not data.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    n_top = data.top_logprobs or 0
+    max_tokens = data.max_completion_tokens or data.max_tokens
+    # The engine's names for what a chat client sent under other names.
+    sent_as = {"logprobs": "top_logprobs"}
+    if data.max_completion_tokens is not None:
+        sent_as["max_tokens"] = "max_completion_tokens"
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request.state.request_id = request_id
+    try:
+        params = sampling_params(state, data, max_tokens, n_top if data.logprobs else None)
+        run = await Run.start(state, request_id, [await _chat_prompt(state, data)], params)
+    except APIError as e:
+        raise renamed(e, sent_as) from None
+    tokenizer = state.engine.tokenizer
+    created = int(time.time())
+
+    def logprobs(c: CompletionOutput) -> s.ChoiceLogprobs | None:
+        return chat_logprobs(tokenizer, c, n_top) if data.logprobs else None
+
+    if not data.stream:
+        (out,) = await collect(request, run)
+        choices = [
+            s.ChatChoice(c.index, s.AssistantMessage(c.text), logprobs(c), c.finish_reason)
+            for c in out.outputs
+        ]
+        return s.ChatCompletionResponse(request_id, created, state.model_name, choices, run.usage())
+
+    progress = ChoiceProgress()
+
+    def chunk(choice: s.ChatChunkChoice | None, usage: s.Usage | None = None):
+        choices = [] if choice is None else [choice]
+        return s.ChatCompletionChunk(request_id, created, state.model_name, choices, usage)
+
+    def chunks(_: int, delta: RequestOutput) -> list[s.ChatCompletionChunk]:
+        result = []
+        for c in delta.outputs:
+            moved = progress.advance((0, c.index), c)
+            if moved is None:
+                continue
+            first, finished = moved
+            if first:
+                result.append(chunk(s.ChatChunkChoice(c.index, s.Delta("assistant", ""))))
+            if c.text or c.token_ids:
+                choice = s.ChatChunkChoice(c.index, s.Delta(content=c.text), logprobs(c))
+                result.append(chunk(choice))
+            if finished:
+                result.append(chunk(s.ChatChunkChoice(c.index, s.Delta(), None, c.finish_reason)))
+        return result
+
+    def final() -> list[s.ChatCompletionChunk]:
+        if data.stream_options is None or not data.stream_options.include_usage:
+            return []
+        return [chunk(None, run.usage())]
+
+    return event_stream(run, chunks, final)
