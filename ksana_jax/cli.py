@@ -109,6 +109,7 @@ _GENERATE_ENGINE_FLAGS = (
     "max_num_batched_tokens",
     "attention_backend",
     "tensor_parallel_size",
+    "quantization",
     "compilation_cache_dir",
 )
 
@@ -123,7 +124,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     if args.chat and not args.prompt.strip():
         raise ValueError("PROMPT is empty; --chat sends it as the user's message")
-    model = load(resolve_model(args.model), dtype=args.dtype)
+    model = load(resolve_model(args.model), dtype=args.dtype, quantization=args.quantization)
     tok = model.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])

@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, TypeAlias, get_args
+from typing import Any, ClassVar, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-Quantization = Literal["int8", "int4"]
-QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+from ksana_jax.config import QUANTIZATIONS
+
 GROUP_SIZE = 32  # int4 groups, Q8_0 / Q4_0 / Q4_1 blocks
 
 
@@ -199,6 +199,24 @@ def quantize_flat(
         except ValueError as e:
             raise ValueError(f"parameter {name}: {e}") from None
     return out
+
+
+def quantize_params(params: Any, quantization: str) -> Any:
+    """A params tree (registry.Params, per-layer, numpy or device arrays) with every matrix
+    (2-D leaf: linear weights, embedding, LM head) quantized on the host, computing in its
+    float dtype; norms and biases unchanged. Already quantized matrices are kept."""
+    check_format(quantization)
+
+    def one(path: Any, x: Any) -> Any:
+        if is_quantized(x) or x.ndim != 2:
+            return x
+        try:
+            return quantize(np.asarray(x.astype(jnp.float32)), quantization, str(x.dtype))
+        except ValueError as e:
+            name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+            raise ValueError(f"parameter {name}: {e}") from None
+
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_quantized)
 
 
 def cast(params: Any, dtype: str) -> Any:
