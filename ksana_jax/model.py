@@ -158,17 +158,20 @@ def load(
             path, config, target, lambda name: plan.param_sharding(name, shapes[name])
         )
         params = plan.shard_params(params)  # per-layer slices of the stacked arrays
+        stored = (checkpoint.read_quantization(path) or {}).get("quantization")
         tokenizer = checkpoint.read_tokenizer(path)
         generation = checkpoint.read_generation_config(path)
     else:
         # In-memory conversion; checkpoints_tools sits above the engine, so import it late.
         from checkpoints_tools import read_source
 
-        source = read_source(path, None if dtype == "auto" else dtype)
+        source = read_source(path, None if dtype == "auto" else dtype, quantization)
+        stored = source.quantization
         config, tokenizer = source.config, Tokenizer.from_files(source.tokenizer_files)
         plan = sharding.make_plan(config, tensor_parallel_size)
         params = plan.shard_params(source.params)
         generation = source.generation_config or {}
     if dtype != "auto":
         config = dataclasses.replace(config, dtype=dtype)
-    return Model(config, params, tokenizer, generation, plan).with_quantization(quantization)
+    model = Model(config, params, tokenizer, generation, plan, stored)
+    return model.with_quantization(quantization)
