@@ -126,3 +126,53 @@ def test_cli_has_the_quantization_flag():
     assert serve.quantization == "int4" and generate.quantization == "int8"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "demo", "--quantization", "int3"])
+
+
+TP_SCRIPT = """
+import json, sys
+import numpy as np
+import ksana_jax
+from checkpoints_tools import convert
+from ksana_jax import sharding
+hf, out, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+convert(hf, out, quantization="int4")
+result = {}
+for tp in (1, 2, 4):
+    for name, path in (("load", hf), ("checkpoint", out)):
+        model = ksana_jax.load(path, tensor_parallel_size=tp, quantization="int4")
+        per_device = sharding.bytes_per_device(model.params)
+        result[f"{name}{tp}"] = [model.logits(tokens).tolist(), max(per_device.values())]
+print(json.dumps(result))
+"""
+
+
+def test_tensor_parallel_int4_equals_one_device(tiny_dir, tmp_path):
+    """tp=2 and 4 on forced CPU devices: the packed arrays and their scales shard like the
+    matrices (scales along the same out axis), and the logits equal tp=1's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            TP_SCRIPT,
+            str(tiny_dir),
+            str(tmp_path / "ckpt"),
+            json.dumps(TOKENS),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    want = np.asarray(result["load1"][0])
+    for key, (logits, _) in result.items():
+        np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-5, err_msg=key)
+    assert result["load2"][1] < 0.8 * result["load1"][1]  # split, not replicated
+    assert result["checkpoint2"][1] == result["load2"][1]
