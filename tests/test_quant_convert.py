@@ -81,3 +81,32 @@ def test_smollm2_gguf_int4_keeps_its_blocks_and_its_logits(smollm2_gguf, smollm2
     np.testing.assert_array_equal(np.asarray(got), np.asarray(reference.params["layers"][3]["wq"]))
     prompt = model.tokenizer.encode("The capital of France is Paris, and the capital of")
     np.testing.assert_allclose(model.logits(prompt), reference.logits(prompt), rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    ("qtype", "fmt", "kept"),
+    [
+        ("Q4_0", "int4", True),
+        ("Q4_1", "int8", True),
+        ("Q8_0", "int4", True),
+        ("Q5_0", "int4", False),
+    ],
+)
+def test_gguf_blocks_kept_or_requantized(tmp_path, qtype, fmt, kept):
+    """A tiny llama GGUF (Q/K rows permuted by llama.cpp: kept blocks move as whole rows):
+    kept types give the float read's logits; other types are requantized and named."""
+    from test_gguf import LLAMA, TOKENS, tiny_model, write_gguf
+
+    from checkpoints_tools import read_source
+
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama", seed=1, **LLAMA), Q[qtype])
+    source = read_source(path, quantization=fmt)
+    if kept:
+        assert source.requantized == {}
+        got = ksana_jax.load(path, quantization=fmt).logits(TOKENS)
+        np.testing.assert_allclose(got, ksana_jax.load(path).logits(TOKENS), rtol=0, atol=1e-5)
+    else:
+        assert source.requantized["blk.0.attn_q.weight"] == qtype
+        assert set(source.requantized.values()) == {qtype}
+    want = quant.Int8Matrix if qtype == "Q8_0" or (not kept and fmt == "int8") else quant.Int4Matrix
+    assert isinstance(source.params["layers"][0]["wq"], want)
