@@ -176,3 +176,14 @@ def test_tensor_parallel_int4_equals_one_device(tiny_dir, tmp_path):
         np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-5, err_msg=key)
     assert result["load2"][1] < 0.8 * result["load1"][1]  # split, not replicated
     assert result["checkpoint2"][1] == result["load2"][1]
+
+
+def test_with_dtype_changes_the_matmul_dtype_not_the_packed_values(tiny_dir):
+    model = ksana_jax.load(tiny_dir, quantization="int4")
+    bf16 = model.with_dtype("bfloat16")
+    wq, wq16 = model.params["layers"][0]["wq"], bf16.params["layers"][0]["wq"]
+    assert bf16.dtype == "bfloat16" and wq16.dtype == "bfloat16"
+    np.testing.assert_array_equal(np.asarray(wq16.packed), np.asarray(wq.packed))
+    assert bf16.params["final_norm"].dtype == jax.numpy.bfloat16
+    got, want = bf16.logits(TOKENS), model.logits(TOKENS)
+    assert np.sqrt(np.mean((got - want) ** 2)) <= 0.05 * want.std()
