@@ -164,6 +164,17 @@ def dequantize(m: QuantizedMatrix, dtype: str | None = None) -> Any:
     return w.reshape(m.shape).astype(jnp.dtype(dtype))
 
 
+def after(m: QuantizedMatrix, x: jax.Array) -> QuantizedMatrix:
+    """`m` made to depend on x's first element (its scales + 0 * x): XLA then dequantizes
+    each matrix just before the matmul that consumes it. Left free, XLA:CPU schedules every
+    dequantization at the start of the step and holds a whole dequantized copy of the model
+    (SmolLM2 in bfloat16: 269 MB of temporaries); `optimization_barrier` does not survive
+    its pipeline. A non-finite x[0] makes the scales NaN, where the product is not finite
+    anyway."""
+    tie = (x.reshape(-1)[0] * 0).astype(m.scales.dtype)
+    return dataclasses.replace(m, scales=m.scales + tie)
+
+
 def take_rows(m: QuantizedMatrix, ids: Any) -> Any:
     """Rows `ids` i32[T] of a quantized table [V, D], dequantized -> [T, D] in m.dtype
     (the embedding lookup: gathers the packed rows, then dequantizes only those)."""

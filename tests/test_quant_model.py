@@ -112,7 +112,7 @@ def test_bad_quantization_is_refused_by_name(tiny_dir, tmp_path):
         ksana_jax.load(tiny_dir, quantization="int3")
     odd = tmp_path / "odd"
     write_tiny_hf(odd)  # intermediate_size 112: w_down's input dim is not a multiple of 32
-    with pytest.raises(ValueError, match=r"w_down.*divisible by 32"):
+    with pytest.raises(ValueError, match=r"down_proj.*divisible by 32"):
         ksana_jax.load(odd, quantization="int4")
     assert ksana_jax.load(odd, quantization="int8").quantization == "int8"
 
@@ -187,3 +187,31 @@ def test_with_dtype_changes_the_matmul_dtype_not_the_packed_values(tiny_dir):
     assert bf16.params["final_norm"].dtype == jax.numpy.bfloat16
     got, want = bf16.logits(TOKENS), model.logits(TOKENS)
     assert np.sqrt(np.mean((got - want) ** 2)) <= 0.05 * want.std()
+
+
+def step_memory(model):
+    """(argument bytes, temporary bytes) of the compiled 16-token logits step."""
+    from ksana_jax.kv_cache import KVCacheSpec, allocate_kv
+    from ksana_jax.step import logits_step
+    from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
+
+    spec = KVCacheSpec.for_model(model.config, 3, 16, "bfloat16")
+    inputs = build_step_inputs([SequenceChunk([5] * 16, 0, range(1, 3))], 16, 16, 1, 2)
+    kv = allocate_kv(spec, model.plan.kv_sharding(spec.shape))
+    indices = np.arange(16, dtype=np.int32)
+    compiled = logits_step.lower(model.params, model.config, kv, inputs, indices).compile()
+    analysis = compiled.memory_analysis()
+    return analysis.argument_size_in_bytes, analysis.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("fmt", quant.QUANTIZATIONS)
+def test_compiled_step_holds_packed_weights_and_one_dequantized_matrix(tiny_dir, fmt):
+    """The step's arguments are the packed bytes, and its temporaries hold at most one
+    dequantized matrix at a time (quant.after), not a dequantized copy of the model."""
+    dense = ksana_jax.load(tiny_dir, dtype="bfloat16")
+    model = dense.with_quantization(fmt)
+    dense_args, dense_temp = step_memory(dense)
+    args, temp = step_memory(model)
+    assert args - dense_args == quant.nbytes(model.params) - quant.nbytes(dense.params)
+    largest = max(x.size * 2 for x in jax.tree.leaves(dense.params))  # bfloat16 bytes
+    assert temp <= dense_temp + largest
