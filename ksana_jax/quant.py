@@ -192,26 +192,6 @@ def quantizable(name: str, shape: tuple[int, ...]) -> bool:
     return len(per_layer) == 2
 
 
-def quantize_flat(
-    flat: Mapping[str, np.ndarray], quantization: str, dtype: str
-) -> dict[str, np.ndarray | QuantizedMatrix]:
-    """Flat params (numpy, layers stacked) with every quantizable matrix quantized; the
-    others cast to `dtype`. Refuses int4 for a matrix whose input dim is not divisible by 32,
-    naming it."""
-    check_format(quantization)
-    out: dict[str, np.ndarray | QuantizedMatrix] = {}
-    for name, value in flat.items():
-        value = np.asarray(value)
-        if not quantizable(name, value.shape):
-            out[name] = value.astype(jnp.dtype(dtype))
-            continue
-        try:
-            out[name] = quantize(value, quantization, dtype)
-        except ValueError as e:
-            raise ValueError(f"parameter {name}: {e}") from None
-    return out
-
-
 def quantize_params(params: Any, quantization: str) -> Any:
     """A params tree (registry.Params, per-layer, numpy or device arrays) with every matrix
     (2-D leaf: linear weights, embedding, LM head) quantized on the host, computing in its
@@ -256,22 +236,6 @@ def from_arrays(quantization: str, arrays: Mapping[str, Any], dtype: str) -> Qua
     check_format(quantization)
     cls = _CLASSES[quantization]
     return cls(**{f: arrays[f] for f in cls.data_fields}, dtype=dtype)
-
-
-def component_shapes(
-    quantization: str, shape: tuple[int, ...], int8_group_size: int | None = None
-) -> dict[str, tuple[int, ...]]:
-    """Each array's shape for a matrix of logical `shape` [..., O, I] (int8: per channel
-    unless `int8_group_size`)."""
-    *lead, i = shape
-    if quantization == "int8":
-        groups = 1 if int8_group_size is None else i // int8_group_size
-        return {"values": tuple(shape), "scales": (*lead, groups)}
-    return {
-        "packed": (*lead, i // 2),
-        "scales": (*lead, i // GROUP_SIZE),
-        "mins": (*lead, i // GROUP_SIZE),
-    }
 
 
 def logical_shape(quantization: str, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:

@@ -110,3 +110,20 @@ def test_gguf_blocks_kept_or_requantized(tmp_path, qtype, fmt, kept):
         assert set(source.requantized.values()) == {qtype}
     want = quant.Int8Matrix if qtype == "Q8_0" or (not kept and fmt == "int8") else quant.Int4Matrix
     assert isinstance(source.params["layers"][0]["wq"], want)
+
+
+def test_cli_convert_quantization_flag(tiny_dir, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "ckpt"
+    result = subprocess.run(
+        [sys.executable, "-m", "ksana_jax.cli", "convert", tiny_dir, out, "--quantization", "int8"],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert ksana_jax.load(out).quantization == "int8"
