@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from checkpoints_tools import staging as staged
 from checkpoints_tools.hf import read_hf_dir
 from checkpoints_tools.source import ConversionError, Source
 from ksana_jax import checkpoint
+from ksana_jax.config import QUANTIZATIONS
 from ksana_jax.demo import DEMO_NAME, demo_gguf_path
 
 DTYPES = ("float32", "bfloat16")
@@ -29,28 +31,35 @@ DTYPES = ("float32", "bfloat16")
 DEMO_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
-def read_source(path: str | Path, dtype: str | None = None) -> Source:
+def read_source(
+    path: str | Path, dtype: str | None = None, quantization: str | None = None
+) -> Source:
     """Reads an HF checkpoint directory or a .gguf file, or `demo` (the bundled
-    SmolLM2-135M-Instruct GGUF); `dtype` None keeps the source's."""
+    SmolLM2-135M-Instruct GGUF); `dtype` None keeps the source's; `quantization` "int8" |
+    "int4" quantizes every matrix (a GGUF's Q4_0 / Q4_1 / Q8_0 blocks are kept as they are)."""
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"unsupported --dtype {dtype!r}; supported: {DTYPES}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ConversionError(
+            f"unsupported --quantization {quantization!r}; supported: {QUANTIZATIONS}"
+        )
     if str(path) == DEMO_NAME:
-        source = _read_path(demo_gguf_path(), dtype)
+        source = _read_path(demo_gguf_path(), dtype, quantization)
         generation = {**(source.generation_config or {}), **DEMO_SAMPLING}
         return dataclasses.replace(source, generation_config=generation)
-    return _read_path(Path(path), dtype)
+    return _read_path(Path(path), dtype, quantization)
 
 
-def _read_path(path: Path, dtype: str | None) -> Source:
+def _read_path(path: Path, dtype: str | None, quantization: str | None) -> Source:
     if not path.exists():
         raise ConversionError(f"{path} does not exist")
     if path.is_dir():
-        return read_hf_dir(path, dtype)
+        return read_hf_dir(path, dtype, quantization)
     if path.suffix.lower() == ".gguf":
         # Imported here: loading an HF directory or an orbax checkpoint needs no `gguf`.
         from checkpoints_tools.gguf_source import read_gguf
 
-        return read_gguf(path, dtype or "float32")
+        return read_gguf(path, dtype or "float32", quantization)
     raise ConversionError(f"{path} is neither a Hugging Face checkpoint directory nor a .gguf file")
 
 
@@ -93,6 +102,7 @@ def _write_staged(source: Source, output_dir: Path) -> None:
                 json.dumps(source.generation_config, indent=2) + "\n"
             )
         checkpoint.save_params(staging / checkpoint.PARAMS_DIR, source.params)
+        checkpoint.write_quantization(staging, source.params, source.quantization)
         checkpoint.write_layout(staging)  # the marker, last: only a complete directory has it
         staged.swap_in(staging, output_dir)
     except BaseException:
@@ -109,10 +119,22 @@ def write_checkpoint(source: Source, output_dir: str | Path, force: bool = False
 
 
 def convert(
-    source_path: str | Path, output_dir: str | Path, dtype: str | None = None, force: bool = False
+    source_path: str | Path,
+    output_dir: str | Path,
+    dtype: str | None = None,
+    force: bool = False,
+    quantization: str | None = None,
 ) -> Path:
-    """Reads SOURCE (or `demo`) and writes the checkpoint directory; returns its path."""
+    """Reads SOURCE (or `demo`) and writes the checkpoint directory; returns its path.
+    Tensors requantized from another quantized type are named on stderr."""
     output_dir = Path(output_dir)
     with _exclusive(output_dir, force):  # fails before the slow part
-        _write_staged(read_source(source_path, dtype), output_dir)
+        source = read_source(source_path, dtype, quantization)
+        if source.requantized:
+            names = ", ".join(f"{n} ({t})" for n, t in source.requantized.items())
+            print(
+                f"requantized to {quantization} from their dequantized values: {names}",
+                file=sys.stderr,
+            )
+        _write_staged(source, output_dir)
     return output_dir

@@ -79,8 +79,9 @@ def read_tokenizer_files(path: Path) -> dict[str, bytes]:
     return files
 
 
-def read_hf_dir(path: Path, dtype: str | None = None) -> Source:
-    """Reads config, weights (cast to `dtype`, default the checkpoint's), tokenizer."""
+def read_hf_dir(path: Path, dtype: str | None = None, quantization: str | None = None) -> Source:
+    """Reads config, weights (cast to `dtype`, default the checkpoint's; every matrix
+    quantized as it arrives when `quantization` is given), tokenizer."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConversionError(f"{path} is not a Hugging Face checkpoint: no config.json")
@@ -94,7 +95,7 @@ def read_hf_dir(path: Path, dtype: str | None = None) -> Source:
     generation_path = path / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.is_file() else None
 
-    assembler = ParamAssembler(config, dtype or config.dtype)
+    assembler = ParamAssembler(config, dtype or config.dtype, quantization)
     for file in files:
         try:
             # The "flax" framework returns jax arrays, which (unlike numpy) cover bfloat16.
@@ -107,4 +108,4 @@ def read_hf_dir(path: Path, dtype: str | None = None) -> Source:
             raise ConversionError(f"cannot read {file}: {e}") from e
     if dtype:
         config = dataclasses.replace(config, dtype=dtype)
-    return Source(config, assembler.finish(), tokenizer_files, generation)
+    return Source(config, assembler.finish(), tokenizer_files, generation, quantization)

@@ -4,6 +4,10 @@ Readers (`hf.py`, `gguf_source.py`) name tensors the Hugging Face way with (out,
 which is also our layout; `ParamAssembler` maps each name through the model family's
 declarations (ksana_jax.models.registry), checks its shape, casts it and places it into the
 layer-stacked arrays, and finally reports anything missing by name.
+
+With a quantization ("int8" | "int4", ksana_jax/quant.py) every matrix is quantized as it
+arrives; a reader may also hand over a matrix already quantized (a GGUF's Q4_0 / Q4_1 / Q8_0
+blocks), which is kept as it is.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ import dataclasses
 import re
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ksana_jax import quant
 from ksana_jax.config import ModelConfig
 from ksana_jax.models import registry
 
@@ -29,6 +35,10 @@ class Source:
     params: registry.Params  # numpy arrays in the target dtype
     tokenizer_files: dict[str, bytes]  # file name -> contents, written beside the params
     generation_config: dict[str, Any] | None
+    quantization: str | None = None  # what was asked for; params say each matrix's format
+    # Source tensor name -> its source type, for tensors quantized in a type other than the
+    # target's that were requantized from their dequantized values (GGUF K-quants, ...).
+    requantized: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 # Buffers some exporters save that carry no weights.
@@ -51,13 +61,26 @@ class ParamAssembler:
     """Fills layer-stacked param arrays from HF-named tensors, checking every shape; the
     names come from the config's family (registry.Family.hf_top / hf_layer / hf_rename)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: str):
+    def __init__(self, cfg: ModelConfig, dtype: str, quantization: str | None = None):
+        if quantization is not None:
+            quant.check_format(quantization)
         self._cfg = cfg
         self._family = registry.family_of(cfg.model_type)
         self._dtype = np.dtype(jnp.dtype(dtype))
+        self._quantization = quantization
         self._shapes = self._family.param_shapes(cfg)
-        self._arrays = {name: np.empty(shape, self._dtype) for name, shape in self._shapes.items()}
+        self._quantized = {
+            name: {}
+            for name, shape in self._shapes.items()
+            if quantization is not None and quant.quantizable(name, shape)
+        }
+        self._arrays = {
+            name: np.empty(shape, self._dtype)
+            for name, shape in self._shapes.items()
+            if name not in self._quantized
+        }
         self._missing = set(hf_tensor_names(cfg))
+        self.requantized_mixed: list[str] = []  # flat names, see _stack
 
     def _target(self, hf_name: str) -> tuple[str, int | None] | None:
         if hf_name in self._family.hf_top:
@@ -67,8 +90,9 @@ class ParamAssembler:
             return self._family.hf_layer[match.group(2)], int(match.group(1))
         return None
 
-    def put(self, hf_name: str, value: np.ndarray) -> None:
-        """Places one HF-named tensor ((out, in) for matrices)."""
+    def put(self, hf_name: str, value: np.ndarray | quant.QuantizedMatrix) -> None:
+        """Places one HF-named tensor ((out, in) for matrices), float or already quantized
+        (kept when the target is quantized, else dequantized)."""
         renamed = self._family.hf_rename(hf_name)
         if renamed is None:
             return  # a part of the checkpoint the family does not use (a vision tower)
@@ -96,10 +120,17 @@ class ParamAssembler:
             raise ConversionError(
                 f"tensor {hf_name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}"
             )
-        if layer is None:
-            self._arrays[name][...] = value.astype(self._dtype)
+        if name in self._quantized:
+            if not quant.is_quantized(value):
+                try:
+                    value = quant.quantize(value, self._quantization, str(self._dtype))
+                except ValueError as e:
+                    raise ConversionError(f"tensor {hf_name!r}: {e}") from None
+            self._quantized[name][layer] = dataclasses.replace(value, dtype=str(self._dtype))
+        elif layer is None:
+            self._arrays[name][...] = _float(value).astype(self._dtype)
         else:
-            self._arrays[name][layer] = value.astype(self._dtype)
+            self._arrays[name][layer] = _float(value).astype(self._dtype)
         self._missing.discard(hf_name)
 
     def finish(self) -> registry.Params:
@@ -110,4 +141,24 @@ class ParamAssembler:
                 f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             )
             raise ConversionError(f"missing tensor(s): {shown}")
-        return registry.params_from_flat(self._arrays)
+        flat: dict[str, Any] = dict(self._arrays)
+        for name, parts in self._quantized.items():
+            flat[name] = parts[None] if None in parts else self._stack(name, parts)
+        return registry.params_from_flat(flat)
+
+    def _stack(self, name: str, parts: dict[int, quant.QuantizedMatrix]) -> Any:
+        """The layers' matrices stacked on L. Layers kept in different formats (a GGUF that
+        mixes block types for one tensor across layers) are all requantized to the target."""
+        layers = [parts[i] for i in range(len(parts))]
+        kinds = {(type(m), tuple(a.shape for a in quant.to_arrays(m).values())) for m in layers}
+        if len(kinds) > 1:
+            self.requantized_mixed.append(name)
+            layers = [
+                quant.quantize(quant.dequantize(m, "float32"), self._quantization, m.dtype)
+                for m in layers
+            ]
+        return jax.tree.map(lambda *a: np.stack(a), *layers)
+
+
+def _float(value: np.ndarray | quant.QuantizedMatrix) -> np.ndarray:
+    return quant.dequantize(value, "float32") if quant.is_quantized(value) else value

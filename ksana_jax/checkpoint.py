@@ -5,6 +5,10 @@ A checkpoint directory (written by checkpoints_tools, read by `ksana_jax.load`):
     config.json              ModelConfig as a transformers-style config
     params/                  orbax checkpoint of the flat {name: array} params dict
     params_layout.json       {"matrices": "out_in"}: weight matrices are [out, in]
+    quantization.json        only for quantized params: {"quantization": "int4", "formats":
+                             {"layers.wq": "int4", "embed": "int8", ...}}; each named
+                             parameter is stored as its arrays (params/NAME/packed, ...,
+                             see quant.py), the others as float arrays
     tokenizer.json | tokenizer.model, tokenizer_config.json (chat template inside)
     generation_config.json   when the source had one
 
@@ -30,8 +34,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
+from ksana_jax import quant
 from ksana_jax.config import ModelConfig
 from ksana_jax.models import registry
 from ksana_jax.tokenizer import TOKENIZER_JSON, TOKENIZER_MODEL, Tokenizer
@@ -40,6 +46,7 @@ CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
 GENERATION_CONFIG_FILE = "generation_config.json"
 LAYOUT_FILE = "params_layout.json"
+QUANTIZATION_FILE = "quantization.json"
 # Weight matrices are [out, in]. Checkpoints written before this file existed hold
 # [in, out] matrices; their square ones would restore without a shape error, so the file's
 # absence is refused by name rather than guessed at.
@@ -48,7 +55,13 @@ LAYOUT = {"matrices": "out_in"}
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # Read later, but parsed up front so a damaged one is named before the slow restore.
-_OPTIONAL_JSON = (LAYOUT_FILE, GENERATION_CONFIG_FILE, TOKENIZER_JSON, TOKENIZER_CONFIG_FILE)
+_OPTIONAL_JSON = (
+    LAYOUT_FILE,
+    GENERATION_CONFIG_FILE,
+    TOKENIZER_JSON,
+    TOKENIZER_CONFIG_FILE,
+    QUANTIZATION_FILE,
+)
 
 
 class CheckpointError(ValueError):
@@ -108,17 +121,49 @@ def read_config(path: Path) -> ModelConfig:
         raise _damaged(Path(path), CONFIG_FILE, e) from None
 
 
-def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Each parameter's shape as params/ records it (its metadata; no array is read)."""
+def _stored_metadata(path: Path) -> dict[str, Any]:
+    """params/'s metadata: name -> ArrayMetadata, or for a quantized matrix a dict of them."""
     params = Path(path) / PARAMS_DIR
     if not params.is_dir():
         raise CheckpointError(f"{PARAMS_DIR}/ is missing from {path}; {_redo(path)}")
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             tree = checkpointer.metadata(params.absolute()).item_metadata
-        return {name: tuple(meta.shape) for name, meta in dict(tree).items()}
+        return {
+            name: dict(meta) if isinstance(meta, dict) else meta
+            for name, meta in dict(tree).items()
+        }
     except Exception as e:  # orbax raises many kinds (JSON, FileNotFound, ValueError, ...)
         raise _damaged(path, f"{PARAMS_DIR}/ (its metadata)", e) from None
+
+
+def read_quantization(path: Path) -> dict[str, Any] | None:
+    """quantization.json's contents, or None for a float checkpoint."""
+    if not (Path(path) / QUANTIZATION_FILE).exists():
+        return None
+    data = _read_json(Path(path), QUANTIZATION_FILE)
+    if not isinstance(data, dict) or not isinstance(data.get("formats"), dict):
+        raise _damaged(Path(path), QUANTIZATION_FILE, "no formats object")
+    for name, fmt in data["formats"].items():
+        if fmt not in quant.QUANTIZATIONS:
+            raise _damaged(Path(path), QUANTIZATION_FILE, f"{name}: unknown format {fmt!r}")
+    return data
+
+
+def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape as params/ records it (its metadata; no array is read); a
+    quantized matrix's is the float matrix's it stands for."""
+    formats = (read_quantization(path) or {}).get("formats", {})
+    shapes = {}
+    for name, meta in _stored_metadata(path).items():
+        if isinstance(meta, dict):
+            if name not in formats:
+                raise _damaged(Path(path), QUANTIZATION_FILE, f"no format for {name}")
+            arrays = {k: tuple(v.shape) for k, v in meta.items()}
+            shapes[name] = quant.logical_shape(formats[name], arrays)
+        else:
+            shapes[name] = tuple(meta.shape)
+    return shapes
 
 
 def check_param_shapes(path: Path, config: ModelConfig) -> None:
@@ -167,10 +212,24 @@ def has_current_layout(path: Path) -> bool:
 
 
 def save_params(path: Path, params: registry.Params) -> None:
-    """Writes params as an orbax checkpoint at `path` (which must not exist)."""
+    """Writes params as an orbax checkpoint at `path` (which must not exist); a quantized
+    matrix as a dict of its arrays (write_quantization names its format)."""
+    flat = {
+        name: quant.to_arrays(value) if quant.is_quantized(value) else value
+        for name, value in registry.params_to_flat(params).items()
+    }
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(Path(path).absolute(), registry.params_to_flat(params))
+    checkpointer.save(Path(path).absolute(), flat)
     checkpointer.wait_until_finished()
+
+
+def write_quantization(path: Path, params: registry.Params, quantization: str | None) -> None:
+    """quantization.json naming each quantized parameter's format (nothing for float params)."""
+    formats = quant.formats(registry.params_to_flat(params))
+    if quantization is None and not formats:
+        return
+    data = {"quantization": quantization, "formats": formats}
+    (Path(path) / QUANTIZATION_FILE).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def load_params(
@@ -190,12 +249,22 @@ def load_params(
             f"{LAYOUT_FILE}); convert its source again: ksana-jax convert SOURCE {path} --force"
         )
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = {
-        name: jax.ShapeDtypeStruct(
-            shape, jnp.dtype(dtype), sharding=sharding_for(name) if sharding_for else device
-        )
-        for name, shape in registry.param_shapes(cfg).items()
-    }
+    formats = (read_quantization(path) or {}).get("formats", {})
+    stored = _stored_metadata(path) if formats else {}
+    abstract: dict[str, Any] = {}
+    for name, shape in registry.param_shapes(cfg).items():
+        where = sharding_for(name) if sharding_for else device
+        if name in formats:  # its arrays as stored: integer values, float16 / float32 scales
+            # Each array has the matrix's axes (quant.py), so the matrix's sharding fits it;
+            # one whose dims do not divide is replicated, as sharding.py does.
+            abstract[name] = {
+                k: jax.ShapeDtypeStruct(
+                    tuple(m.shape), m.dtype, sharding=_fitting(where, tuple(m.shape))
+                )
+                for k, m in stored[name].items()
+            }
+        else:
+            abstract[name] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=where)
     previous_hook = _quiet_late_reads()
     try:
         with ocp.StandardCheckpointer() as checkpointer:
@@ -208,7 +277,20 @@ def load_params(
             f"({_first_line(e)}); {_redo(Path(path))}"
         ) from None
     sys.unraisablehook = previous_hook  # nothing failed, so nothing late to silence
+    for name, fmt in formats.items():
+        flat[name] = quant.from_arrays(fmt, flat[name], dtype)
     return registry.params_from_flat(flat)
+
+
+def _fitting(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+    """`sharding` when every split dim of `shape` divides by its devices, else replicated."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    for dim, axes in zip(shape, sharding.spec, strict=False):
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        if dim % max(1, int(np.prod([sharding.mesh.shape[a] for a in axes]))):
+            return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
 
 
 def _quiet_late_reads() -> Callable[[Any], None]:

@@ -23,7 +23,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from ksana_jax.config import ENGINE_DTYPES, EngineConfig
+from ksana_jax.config import ENGINE_DTYPES, QUANTIZATIONS, EngineConfig
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
@@ -46,6 +46,13 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="parameter dtype (default: the source's; float32 for GGUF)",
     )
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="store every matrix quantized: int8 (per output channel) or int4 (asymmetric "
+        "groups of 32); a GGUF's Q4_0/Q4_1/Q8_0 blocks are kept as they are (default: float)",
+    )
     p.add_argument("--force", action="store_true", help="overwrite OUTPUT_DIR if it exists")
     p.set_defaults(run=_run_convert)
 
@@ -54,7 +61,13 @@ def _run_convert(args: argparse.Namespace) -> int:
     from checkpoints_tools import convert
 
     start = time.perf_counter()
-    out = convert(args.source, args.output_dir, dtype=args.dtype, force=args.force)
+    out = convert(
+        args.source,
+        args.output_dir,
+        dtype=args.dtype,
+        force=args.force,
+        quantization=args.quantization,
+    )
     print(f"wrote {out} in {time.perf_counter() - start:.1f}s")
     return 0
 
@@ -109,6 +122,7 @@ _GENERATE_ENGINE_FLAGS = (
     "max_num_batched_tokens",
     "attention_backend",
     "tensor_parallel_size",
+    "quantization",
     "compilation_cache_dir",
 )
 
@@ -123,7 +137,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     if args.chat and not args.prompt.strip():
         raise ValueError("PROMPT is empty; --chat sends it as the user's message")
-    model = load(resolve_model(args.model), dtype=args.dtype)
+    model = load(resolve_model(args.model), dtype=args.dtype, quantization=args.quantization)
     tok = model.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])

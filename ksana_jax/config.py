@@ -347,6 +347,9 @@ AttentionBackendName = Literal["reference", "cpu", "xla", "pallas_tpu", "pallas_
 ATTENTION_BACKENDS = ("auto", *get_args(AttentionBackendName))
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = (*ENGINE_DTYPES, "float16")
+# Weight quantization formats (ksana_jax/quant.py): the one list.
+Quantization = Literal["int8", "int4"]
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 
 def _geometric(low: int, high: int, factor: int) -> tuple[int, ...]:
@@ -379,6 +382,12 @@ class EngineConfig:
         "auto",
         "KV cache dtype; auto = the parameter dtype, but float16 for bfloat16 params on CPU",
         KV_CACHE_DTYPES,
+    )
+    quantization: str | None = _field(
+        None,
+        "weight quantization of a float model at load time: int8 (per output channel) or "
+        "int4 (asymmetric groups of 32); a quantized checkpoint is kept as converted",
+        QUANTIZATIONS,
     )
     max_model_len: int = _field(2048, "longest request: prompt + output tokens")
     page_size: int = _field(16, "tokens per KV page")
@@ -429,6 +438,10 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

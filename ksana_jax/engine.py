@@ -88,7 +88,9 @@ class LLMEngine:
                 f"max_model_len ({config.max_model_len}) exceeds the model's context "
                 f"({model.config.max_position_embeddings})"
             )
-        model = model.with_tensor_parallel(config.tensor_parallel_size)
+        model = model.with_quantization(config.quantization).with_tensor_parallel(
+            config.tensor_parallel_size
+        )
         self.model = model
         self.config = config
         self.tokenizer = model.tokenizer

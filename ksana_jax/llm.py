@@ -64,6 +64,7 @@ class LLM:
                 resolve_model(str(model), revision),
                 dtype=self.config.dtype,
                 tensor_parallel_size=self.config.tensor_parallel_size,
+                quantization=self.config.quantization,
             )
         self.model = model
         self.tokenizer = model.tokenizer

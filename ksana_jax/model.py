@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ksana_jax import checkpoint, sharding
+from ksana_jax import checkpoint, quant, sharding
 from ksana_jax.config import ModelConfig
 from ksana_jax.demo import resolve_model
 from ksana_jax.kv_cache import KVCacheSpec, allocate_kv, resolve_kv_dtype
@@ -47,6 +47,8 @@ class Model:
     tokenizer: Tokenizer
     generation_config: dict[str, Any]
     plan: sharding.ShardingPlan
+    # The weight quantization (quant.py) asked for at convert or load time; None = float.
+    quantization: str | None = None
 
     @property
     def dtype(self) -> str:
@@ -71,10 +73,25 @@ class Model:
         """This model with its parameters cast to `dtype` ("auto" keeps them)."""
         if dtype in ("auto", self.dtype):
             return self
-        params = self.plan.shard_params(jax.tree.map(lambda x: x.astype(dtype), self.params))
+        params = self.plan.shard_params(quant.cast(self.params, dtype))
         return dataclasses.replace(
             self, params=params, config=dataclasses.replace(self.config, dtype=dtype)
         )
+
+    def with_quantization(self, quantization: str | None) -> Model:
+        """This model with its matrices quantized (quant.py) on the host, then placed as
+        before; None, or the model's own quantization, keeps it. A model quantized one way
+        is not requantized another (convert the float source instead)."""
+        if quantization is None or quantization == self.quantization:
+            return self
+        if self.quantization is not None:
+            raise ValueError(
+                f"the model is already quantized as {self.quantization}, not {quantization}; "
+                "load or convert its float source with the quantization you want"
+            )
+        params = quant.quantize_params(sharding.fetch(self.params), quantization)
+        params = self.plan.shard_params(params)
+        return dataclasses.replace(self, params=params, quantization=quantization)
 
     def with_tensor_parallel(self, tensor_parallel_size: int) -> Model:
         """This model split over `tensor_parallel_size` devices (moved shard by shard)."""
@@ -110,7 +127,12 @@ class Model:
         return sharding.fetch(out)[:n]
 
 
-def load(path: str | Path, dtype: str = "auto", tensor_parallel_size: int = 1) -> Model:
+def load(
+    path: str | Path,
+    dtype: str = "auto",
+    tensor_parallel_size: int = 1,
+    quantization: str | None = None,
+) -> Model:
     """Loads a checkpoint directory, an HF directory or a GGUF file.
 
     Args:
@@ -119,9 +141,13 @@ def load(path: str | Path, dtype: str = "auto", tensor_parallel_size: int = 1) -
       dtype: parameter dtype; "auto" keeps the checkpoint's (float32 for GGUF).
       tensor_parallel_size: devices to split the model over; a checkpoint directory is
         restored straight into the shards (no device ever holds a whole copy).
+      quantization: "int8" | "int4" quantizes every matrix (linear layers, embedding, LM
+        head) on the host before it is placed (quant.py); None keeps the checkpoint's.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {DTYPES}")
+    if quantization is not None:
+        quant.check_format(quantization)
     path = Path(resolve_model(str(path)))  # `demo`: the bundled model
     if checkpoint.is_checkpoint_dir(path):
         config = checkpoint.validate(path)  # names a missing or damaged file before any read
@@ -132,17 +158,20 @@ def load(path: str | Path, dtype: str = "auto", tensor_parallel_size: int = 1) -
             path, config, target, lambda name: plan.param_sharding(name, shapes[name])
         )
         params = plan.shard_params(params)  # per-layer slices of the stacked arrays
+        stored = (checkpoint.read_quantization(path) or {}).get("quantization")
         tokenizer = checkpoint.read_tokenizer(path)
         generation = checkpoint.read_generation_config(path)
     else:
         # In-memory conversion; checkpoints_tools sits above the engine, so import it late.
         from checkpoints_tools import read_source
 
-        source = read_source(path, None if dtype == "auto" else dtype)
+        source = read_source(path, None if dtype == "auto" else dtype, quantization)
+        stored = source.quantization
         config, tokenizer = source.config, Tokenizer.from_files(source.tokenizer_files)
         plan = sharding.make_plan(config, tensor_parallel_size)
         params = plan.shard_params(source.params)
         generation = source.generation_config or {}
     if dtype != "auto":
         config = dataclasses.replace(config, dtype=dtype)
-    return Model(config, params, tokenizer, generation, plan)
+    model = Model(config, params, tokenizer, generation, plan, stored)
+    return model.with_quantization(quantization)

@@ -43,7 +43,7 @@ from ksana_jax.config import (
     rope_from_parameters,
 )
 from ksana_jax.models import llama
-from ksana_jax.models.layers import gated_mlp, linear, rms_norm, softcap
+from ksana_jax.models.layers import embed_rows, gated_mlp, linear, rms_norm, softcap
 from ksana_jax.models.registry import Family, Params
 from ksana_jax.step_inputs import StepInputs
 
@@ -271,9 +271,9 @@ def forward(
     """One ragged step (arguments as llama.forward): final-norm hidden f32[T, D] and kv."""
     embed = params["embed"]
     # transformers multiplies in the parameter dtype by sqrt(D) rounded to it.
-    x = (embed[inputs.token_ids] * jnp.asarray(cfg.hidden_size**0.5, embed.dtype)).astype(
-        jnp.float32
-    )
+    x = (
+        embed_rows(embed, inputs.token_ids) * jnp.asarray(cfg.hidden_size**0.5, embed.dtype)
+    ).astype(jnp.float32)
     eps = cfg.rms_norm_eps
     for i, layer in enumerate(params["layers"]):
         hidden = rms_norm(x, layer["attn_norm"], eps, 1.0)

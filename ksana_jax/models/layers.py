@@ -14,15 +14,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ksana_jax import pallas_kernels
+from ksana_jax import pallas_kernels, quant
 from ksana_jax.config import ModelConfig
 from ksana_jax.kv_cache import to_kv_dtype
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.step_inputs import StepInputs
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+def linear(
+    x: jax.Array, w: jax.Array | quant.QuantizedMatrix, b: jax.Array | None = None
+) -> jax.Array:
     """x f32[..., I] times w [O, I] transposed (+ b [O]) -> f32[..., O], accumulated in float32.
+
+    A quantized w (quant.py) is dequantized to its `dtype` inside the step and multiplied the
+    same way (XLA's path; a fused CPU kernel reading the packed bytes is a later step).
 
     Weights are [out, in] (torch's layout): XLA:CPU's bfloat16 products (YNNPACK) stream
     them faster than [in, out] at decode's few rows -- SmolLM2 batch-1 decode 50.5 -> 40.1
@@ -34,9 +39,19 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
         # Float32 weights are the opposite: two rows stream them ~1.4x slower (SmolLM2 batch-1
         # float32 decode, 30 layers + LM head of products only: 38.8 vs 28.1 ms).
         return linear(jnp.pad(x, ((0, 1), (0, 0))), w, b)[:1]
+    if quant.is_quantized(w):
+        w = quant.dequantize(quant.after(w, x))
     contract = (((x.ndim - 1,), (1,)), ((), ()))
     y = jax.lax.dot_general(x.astype(w.dtype), w, contract, preferred_element_type=jnp.float32)
     return y if b is None else y + b.astype(jnp.float32)
+
+
+def embed_rows(table: jax.Array | quant.QuantizedMatrix, token_ids: jax.Array) -> jax.Array:
+    """Rows `token_ids` i32[T] of the embedding table [V, D] -> [T, D] in the table's dtype;
+    a quantized table gathers the packed rows first, then dequantizes only those."""
+    if quant.is_quantized(table):
+        return quant.take_rows(table, token_ids)
+    return table[token_ids]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:

@@ -38,6 +38,7 @@ from ksana_jax.config import (
 )
 from ksana_jax.models.layers import (
     apply_rope,
+    embed_rows,
     gated_mlp,
     linear,
     paged_attention,
@@ -291,7 +292,7 @@ def forward(
         (a Pallas backend on CPU runs in interpret mode: tests only).
     Returns: final-norm hidden states f32[T, D] and the updated kv.
     """
-    x = params["embed"][inputs.token_ids].astype(jnp.float32)  # [T, D]
+    x = embed_rows(params["embed"], inputs.token_ids).astype(jnp.float32)  # [T, D]
     for i, layer in enumerate(params["layers"]):
         hidden = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         attn, kv = attention_block(cfg, inputs, kv, hidden, i, layer, backend)

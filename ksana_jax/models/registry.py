@@ -186,22 +186,30 @@ def param_axes(cfg: ModelConfig) -> Mapping[str, tuple[str | None, ...]]:
 def params_from_flat(flat: Mapping[str, Any]) -> Params:
     """The params pytree from flat names, splitting layer-stacked arrays per layer."""
     stacked = {k.removeprefix(LAYER_PREFIX): v for k, v in flat.items() if k.startswith("layers.")}
-    num_layers = len(next(iter(stacked.values())))
+    num_layers = next(iter(stacked.values())).shape[0]
     params: Params = {k: v for k, v in flat.items() if not k.startswith(LAYER_PREFIX)}
     params["layers"] = tuple(
-        {name: value[i] for name, value in stacked.items()} for i in range(num_layers)
+        {name: _layer(value, i) for name, value in stacked.items()} for i in range(num_layers)
     )
     return params
+
+
+def _layer(value: Any, i: int) -> Any:
+    """Layer i of a stacked array, or of each array of a quantized matrix (quant.py)."""
+    return jax.tree.map(lambda a: a[i], value)
 
 
 def params_to_flat(params: Params) -> dict[str, Any]:
     """Inverse of params_from_flat (layers stacked again)."""
     flat = {k: v for k, v in params.items() if k != "layers"}
     layers = params["layers"]
-    xp = np if isinstance(layers[0][next(iter(layers[0]))], np.ndarray) else jnp
     for name in layers[0]:
-        flat[LAYER_PREFIX + name] = xp.stack([layer[name] for layer in layers])
+        flat[LAYER_PREFIX + name] = jax.tree.map(_stack, *[layer[name] for layer in layers])
     return flat
+
+
+def _stack(*arrays: Any) -> Any:
+    return (np if isinstance(arrays[0], np.ndarray) else jnp).stack(arrays)
 
 
 def flat_name(path: tuple) -> str:

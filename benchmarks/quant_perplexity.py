@@ -1,0 +1,87 @@
+"""Perplexity and parameter bytes of SmolLM2-135M-Instruct with quantized weights.
+
+Text: Python's own `pydoc_data.topics` (no download), the first `--tokens` tokens, scored in
+independent windows of `--window` tokens (each window's first token is context only).
+Models, all from the bundled GGUF (Q4_1 linear layers, Q8_0 embedding):
+
+    float32     the GGUF dequantized to float32 (the reference)
+    int8        that model quantized at load time, int8 per output channel
+    int4        that model quantized at load time, int4 asymmetric groups of 32
+    gguf-int4   the GGUF read with quantization="int4": its blocks kept as they are
+    bf16 rows   the same in bfloat16 (what serving on CPU uses by default)
+
+    python benchmarks/quant_perplexity.py [--tokens 4096] [--window 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import numpy as np
+
+
+def text_tokens(tokenizer, num_tokens: int) -> list[int]:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return tokenizer.encode(text)[:num_tokens]
+
+
+def perplexity(model, tokens: list[int], window: int) -> float:
+    nll, count = 0.0, 0
+    for start in range(0, len(tokens) - 1, window):
+        chunk = tokens[start : start + window]
+        if len(chunk) < 2:
+            break
+        logits = model.logits(chunk).astype(np.float64)
+        logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        picked = logits[np.arange(len(chunk) - 1), chunk[1:]]
+        nll += float((logz[:-1] - picked).sum())
+        count += len(chunk) - 1
+    return math.exp(nll / count)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    args = parser.parse_args()
+
+    import ksana_jax
+    from ksana_jax import quant
+    from ksana_jax.demo import demo_gguf_path
+
+    gguf = demo_gguf_path()
+    rows = []
+    base = None
+    for dtype in args.dtypes.split(","):
+        variants = {
+            dtype: dict(),
+            f"int8 ({dtype})": dict(quantization="int8"),
+            f"int4 ({dtype})": dict(quantization="int4"),
+        }
+        for name, kw in variants.items():
+            model = ksana_jax.load(gguf, dtype=dtype)
+            if kw:  # quantized from the float model (load_time), not from the GGUF's blocks
+                model = model.with_quantization(kw["quantization"])
+            rows.append((name, model))
+        rows.append(
+            (f"gguf-int4 ({dtype})", ksana_jax.load(gguf, dtype=dtype, quantization="int4"))
+        )
+    tokens = text_tokens(rows[0][1].tokenizer, args.tokens)
+    print(f"{len(tokens)} tokens of pydoc_data.topics, windows of {args.window}")
+    print(f"{'model':<22} {'perplexity':>10} {'x float32':>10} {'param MB':>9} {'s':>6}")
+    for name, model in rows:
+        start = time.perf_counter()
+        ppl = perplexity(model, tokens, args.window)
+        base = base or ppl
+        mb = quant.nbytes(model.params) / 1e6
+        took = time.perf_counter() - start
+        print(f"{name:<22} {ppl:>10.3f} {ppl / base:>10.4f} {mb:>9.1f} {took:>6.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Convert-time quantization: `convert --quantization`, quantized checkpoints loaded back
+exactly, and a GGUF's Q4_0 / Q4_1 / Q8_0 blocks kept as they are."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from conftest import TINY_VOCAB, write_tiny_hf
+from gguf import GGMLQuantizationType as Q
+
+import ksana_jax
+from checkpoints_tools import convert
+from checkpoints_tools.gguf_source import blocks
+from ksana_jax import checkpoint, quant
+
+RNG = np.random.default_rng(7)
+TOKENS = [int(t) for t in RNG.integers(3, TINY_VOCAB, 40)]
+
+
+def dir_bytes(path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_kept_blocks_dequantize_to_ggufs_own_values(qtype):
+    """Blocks written by gguf's quantizer, read as our matrices: the very same floats."""
+    w = RNG.standard_normal((6, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)
+    tensor = types.SimpleNamespace(data=raw, shape=[96, 6], tensor_type=qtype)  # GGUF order
+    m = blocks(tensor)
+    assert isinstance(m, quant.Int8Matrix if qtype == Q.Q8_0 else quant.Int4Matrix)
+    want = gguf.quants.dequantize(raw, qtype).reshape(6, 96)
+    np.testing.assert_array_equal(quant.dequantize(m), want)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "hf"
+    write_tiny_hf(path, intermediate_size=128, initializer_range=0.02)
+    return path
+
+
+@pytest.mark.parametrize("fmt", quant.QUANTIZATIONS)
+def test_converted_quantized_checkpoint_loads_back_exactly(tiny_dir, tmp_path, fmt):
+    out = convert(tiny_dir, tmp_path / "ckpt", quantization=fmt)
+    stored = json.loads((out / checkpoint.QUANTIZATION_FILE).read_text())
+    assert stored["quantization"] == fmt
+    assert set(stored["formats"]) == {
+        "embed",
+        "lm_head",
+        *(f"layers.{n}" for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")),
+    }
+    loaded = ksana_jax.load(out)
+    in_memory = ksana_jax.load(tiny_dir, quantization=fmt)
+    assert loaded.quantization == fmt
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(in_memory.params), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(loaded.logits(TOKENS), in_memory.logits(TOKENS))
+    with pytest.raises(ValueError, match=f"already quantized as {fmt}"):
+        ksana_jax.load(out, quantization="int8" if fmt == "int4" else "int4")
+
+
+def test_smollm2_gguf_int4_keeps_its_blocks_and_its_logits(smollm2_gguf, smollm2_dir, tmp_path):
+    """SmolLM2's GGUF is Q4_1 (every linear layer) and Q8_0 (the tied embedding): converted
+    with --quantization int4, every matrix keeps its blocks, so the model holds exactly the
+    float32 conversion's weight values and only the products' rounding differs."""
+    out = convert(smollm2_gguf, tmp_path / "int4", quantization="int4")
+    formats = json.loads((out / checkpoint.QUANTIZATION_FILE).read_text())["formats"]
+    assert formats["embed"] == "int8" and formats["layers.w_down"] == "int4"
+    assert dir_bytes(out / "params") <= 0.35 * dir_bytes(smollm2_dir / "params")
+    model = ksana_jax.load(out)
+    reference = ksana_jax.load(smollm2_dir)
+    # Same values: the dequantized blocks are the float32 conversion's weights, bit for bit.
+    got = quant.dequantize(model.params["layers"][3]["wq"])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(reference.params["layers"][3]["wq"]))
+    prompt = model.tokenizer.encode("The capital of France is Paris, and the capital of")
+    np.testing.assert_allclose(model.logits(prompt), reference.logits(prompt), rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    ("qtype", "fmt", "kept"),
+    [
+        ("Q4_0", "int4", True),
+        ("Q4_1", "int8", True),
+        ("Q8_0", "int4", True),
+        ("Q5_0", "int4", False),
+    ],
+)
+def test_gguf_blocks_kept_or_requantized(tmp_path, qtype, fmt, kept):
+    """A tiny llama GGUF (Q/K rows permuted by llama.cpp: kept blocks move as whole rows):
+    kept types give the float read's logits; other types are requantized and named."""
+    from test_gguf import LLAMA, TOKENS, tiny_model, write_gguf
+
+    from checkpoints_tools import read_source
+
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama", seed=1, **LLAMA), Q[qtype])
+    source = read_source(path, quantization=fmt)
+    if kept:
+        assert source.requantized == {}
+        got = ksana_jax.load(path, quantization=fmt).logits(TOKENS)
+        np.testing.assert_allclose(got, ksana_jax.load(path).logits(TOKENS), rtol=0, atol=1e-5)
+    else:
+        assert source.requantized["blk.0.attn_q.weight"] == qtype
+        assert set(source.requantized.values()) == {qtype}
+    want = quant.Int8Matrix if qtype == "Q8_0" or (not kept and fmt == "int8") else quant.Int4Matrix
+    assert isinstance(source.params["layers"][0]["wq"], want)
+
+
+def test_cli_convert_quantization_flag(tiny_dir, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "ckpt"
+    result = subprocess.run(
+        [sys.executable, "-m", "ksana_jax.cli", "convert", tiny_dir, out, "--quantization", "int8"],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert ksana_jax.load(out).quantization == "int8"
