@@ -98,8 +98,9 @@ def counts_from_history(history, num_prompt, vocab=V) -> PenaltyCounts:
     )
 
 
-def make_inputs(num_seqs: int, history=None, suppressed=None, vocab=V, **fields) -> Rows:
-    """Rows with per-row fields (scalars broadcast); history -1 padded to M."""
+def make_inputs(num_seqs: int, history=None, suppressed=None, vocab=V, bias=None, **fields) -> Rows:
+    """Rows with per-row fields (scalars broadcast); history -1 padded to M; bias: per row a
+    {token id: bias} dict (logit_bias)."""
     arrays = {}
     for name, default in DEFAULTS.items():
         value = np.asarray(fields.pop(name, default))
@@ -112,9 +113,16 @@ def make_inputs(num_seqs: int, history=None, suppressed=None, vocab=V, **fields)
     history = np.asarray(history, np.int32)
     assert history.shape == (num_seqs, M)
     suppressed = np.full((num_seqs, 4), -1, np.int32) if suppressed is None else suppressed
+    bias_ids = np.full((num_seqs, 4), -1, np.int32)
+    bias_values = np.zeros((num_seqs, 4), np.float32)
+    for row, entries in enumerate(bias or ()):
+        bias_ids[row, : len(entries)] = list(entries)
+        bias_values[row, : len(entries)] = list(entries.values())
     s = SamplingInputs(
         suppressed_ids=jnp.asarray(suppressed, jnp.int32),
         slots=jnp.arange(num_seqs, dtype=jnp.int32),
+        bias_ids=jnp.asarray(bias_ids),
+        bias_values=jnp.asarray(bias_values),
         **arrays,
     )
     return Rows(s, counts_from_history(history, arrays["num_prompt_tokens"], vocab))
