@@ -248,7 +248,7 @@ def sample(
 )
 @dataclasses.dataclass(frozen=True)
 class ScoredLogprobs:
-    """Prompt logprobs at a step's Q scored positions (zeros past those in use): each
+    """Prompt logprobs at a step's Q scored positions (meaningless past those in use): each
     position's distribution over the next token, at that token (the target) and its top N."""
 
     logprobs: jax.Array  # f32[Q]     logprob of the target
