@@ -306,5 +306,7 @@ def score_prompt(
             jnp.zeros((q, max_logprobs), jnp.float32),
         )
 
-    index = jnp.where(num == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes), num))
+    # 0: nothing; else 1 + the first size holding them (a sum, not searchsorted: that is
+    # a while loop, which a GPU runs with a host round trip per trip)
+    index = jnp.where(num == 0, 0, 1 + jnp.sum(num > jnp.asarray(sizes)))
     return jax.lax.switch(index, [nothing, *map(project, sizes)], hidden)
