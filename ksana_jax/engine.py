@@ -1,7 +1,7 @@
 """The engine loop: add requests, step, abort -- the only code that drives the device.
 
     scheduled = scheduler.schedule()              which requests run, how many tokens each
-    in_flight = runner.dispatch(chunks)           one jitted call: forward + sampling
+    in_flight = runner.dispatch(chunks)           one jitted call: forward + sampling (+ scoring)
     scheduler.update_from_output(...)             append tokens; stop ids, EOS, max_tokens
     emit(...)                                     detokenize, stop strings, outputs
 
@@ -19,6 +19,12 @@ matched on the
 detokenized text (so they may span tokens) and are cut from it; until a request finishes,
 the last characters that could still start a stop string are held back from its visible
 text.
+
+Prompt logprobs (SamplingParams.prompt_logprobs): the scheduler marks which prompt positions
+each chunk scores, the step returns their logprobs, and the engine files them per group
+(`_store_prompt_logprobs`, as vLLM `Logprob`s with each token's text); they go out whole
+with the group's first token. Such a request skips the prefix cache (it recomputes a cached
+prefix: those positions' logits were never kept), as vLLM does.
 """
 
 from __future__ import annotations
