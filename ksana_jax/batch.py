@@ -11,7 +11,8 @@ gained + tokens scheduled), whatever max_model_len or the context lengths are.
 The device keeps its own per-slot state (runner.BatchState): each slot's last sampled token,
 which a decode row reads when its token is still a placeholder (async scheduling), and the
 penalty counts, updated in the step from the tokens it feeds. `RowInputs` tells the step
-where each token and row goes in that state.
+where each token and row goes in that state, and which of its tokens' hidden states to
+score for prompt logprobs (a fixed Q positions, see sampling.score_prompt).
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ from ksana_jax.step_inputs import StepInputs
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["last_token_slots", "count_slots", "is_output", "reset_slots"],
+    data_fields=[
+        "last_token_slots",
+        "count_slots",
+        "is_output",
+        "reset_slots",
+        "scored_token_slots",
+        "scored_targets",
+    ],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +53,8 @@ class RowInputs:
     count_slots: jax.Array  # i32[T]  counts the token into that slot's penalty counts (else R)
     is_output: jax.Array  # bool[T]  the token is an output token (else a prompt token)
     reset_slots: jax.Array  # i32[S]  zero that slot's penalty counts first (else R)
+    scored_token_slots: jax.Array  # i32[Q]  prompt logprobs: token slots scored (padding: 0)
+    scored_targets: jax.Array  # i32[Q]  the prompt token each one predicts (padding: -1)
 
 
 def suppressed_ids(params, eos_ids: Sequence[int]) -> list[int]:
@@ -63,11 +73,14 @@ class PersistentBatch:
         page_size: int,
         max_suppressed: int,
         eos_ids: Sequence[int],
+        max_logit_bias: int = 1,
+        num_scored: int = 1,
     ):
         self.num_slots = num_slots  # R, the sink included
         self.sink = num_slots - 1
         self.page_size = page_size
         self.eos_ids = tuple(eos_ids)
+        self.num_scored = num_scored  # Q
         self._owner: list[tuple[Request, int] | None] = [None] * num_slots
         self._num_pages = np.zeros(num_slots, np.int64)  # page-table entries written
         self.page_table = np.full((num_slots, max_pages_per_seq), SINK_PAGE, np.int32)
@@ -84,6 +97,8 @@ class PersistentBatch:
         self.suppressed = np.full((num_slots, max_suppressed), -1, np.int32)
         self.num_logprobs = np.full(num_slots, -1, np.int32)
         self.penalized = np.zeros(num_slots, bool)
+        self.bias_ids = np.full((num_slots, max_logit_bias), -1, np.int32)
+        self.bias_values = np.zeros((num_slots, max_logit_bias), np.float32)
 
     def _join(self, slot: int, request: Request) -> None:
         """Writes the row of a request that has just taken `slot`."""
@@ -106,6 +121,11 @@ class PersistentBatch:
         self.suppressed[slot] = -1
         self.suppressed[slot, : len(banned)] = banned
         self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
+        bias = p.logit_bias or {}
+        self.bias_ids[slot] = -1
+        self.bias_ids[slot, : len(bias)] = list(bias)
+        self.bias_values[slot] = 0
+        self.bias_values[slot, : len(bias)] = list(bias.values())
 
     def _sync(self, request: Request) -> int:
         """Brings the request's row up to date (join, new pages); returns its slot."""
@@ -171,8 +191,31 @@ class PersistentBatch:
         is_output[:total] = pos >= self.num_prompt_tokens[token_slots]
         reset_slots = np.full(num_seqs, none, np.int32)
         reset_slots[:n] = np.where((starts == 0) & self.penalized[slots[:n]], slots[:n], none)
-        rows = RowInputs(last_token_slots, count_slots, is_output, reset_slots)
+        rows = RowInputs(
+            last_token_slots,
+            count_slots,
+            is_output,
+            reset_slots,
+            *self._scored(chunks, query_starts),
+        )
         return inputs, self._sampling(slots, num_generated), rows
+
+    def _scored(
+        self, chunks: Sequence[ScheduledChunk], query_starts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """RowInputs' scored_token_slots and scored_targets: each chunk's scored positions, in
+        chunk order (the scheduler keeps them within Q)."""
+        token_slots = np.zeros(self.num_scored, np.int32)
+        targets = np.full(self.num_scored, -1, np.int32)
+        done = 0
+        for i, c in enumerate(chunks):
+            k = c.num_scored
+            if k:
+                assert done + k <= self.num_scored, (done, k, self.num_scored)
+                token_slots[done : done + k] = np.arange(k) + query_starts[i]
+                targets[done : done + k] = c.request.prompt_token_ids[c.start + 1 : c.start + 1 + k]
+                done += k
+        return token_slots, targets
 
     def _sampling(self, slots: np.ndarray, num_generated: np.ndarray) -> SamplingInputs:
         """The step's rows of the per-slot sampling parameters."""
@@ -192,6 +235,8 @@ class PersistentBatch:
             suppressed_ids=suppressed,
             num_logprobs=self.num_logprobs[slots],
             slots=slots,
+            bias_ids=self.bias_ids[slots],
+            bias_values=self.bias_values[slots],
         )
 
     def padding(

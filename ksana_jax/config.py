@@ -409,6 +409,12 @@ class EngineConfig:
         (), "context shapes, multiples of page_size; unset = derived"
     )
     max_logprobs: int = _field(20, "largest top-N logprobs a request may ask for")
+    max_num_scored_tokens: int | None = _field(
+        None,
+        "most prompt positions per step whose logprobs are computed (prompt_logprobs; a "
+        "fixed shape: such prefills are chunked to fit); unset = min(256, "
+        "max_num_batched_tokens)",
+    )
     attention_backend: str = _field(
         "auto",
         "attention kernels; auto = Pallas on TPU/GPU, cpu (C++ kernel) on CPU",
@@ -467,6 +473,14 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})"
+            )
+        scored = self.max_num_scored_tokens
+        if scored is None:
+            object.__setattr__(self, "max_num_scored_tokens", min(256, self.max_num_batched_tokens))
+        elif not 1 <= scored <= self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_scored_tokens must be in [1, max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}], got {scored}"
             )
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")

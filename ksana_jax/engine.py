@@ -1,7 +1,7 @@
 """The engine loop: add requests, step, abort -- the only code that drives the device.
 
     scheduled = scheduler.schedule()              which requests run, how many tokens each
-    in_flight = runner.dispatch(chunks)           one jitted call: forward + sampling
+    in_flight = runner.dispatch(chunks)           one jitted call: forward + sampling (+ scoring)
     scheduler.update_from_output(...)             append tokens; stop ids, EOS, max_tokens
     emit(...)                                     detokenize, stop strings, outputs
 
@@ -19,6 +19,12 @@ matched on the
 detokenized text (so they may span tokens) and are cut from it; until a request finishes,
 the last characters that could still start a stop string are held back from its visible
 text.
+
+Prompt logprobs (SamplingParams.prompt_logprobs): the scheduler marks which prompt positions
+each chunk scores, the step returns their logprobs, and the engine files them per group
+(`_store_prompt_logprobs`, as vLLM `Logprob`s with each token's text); they go out whole
+with the group's first token. Such a request skips the prefix cache (it recomputes a cached
+prefix: those positions' logits were never kept), as vLLM does.
 """
 
 from __future__ import annotations
@@ -34,12 +40,12 @@ from typing import NamedTuple
 from ksana_jax.batch import suppressed_ids
 from ksana_jax.config import EngineConfig
 from ksana_jax.model import Model
-from ksana_jax.outputs import CompletionOutput, RequestOutput
+from ksana_jax.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from ksana_jax.page_manager import PageManager
 from ksana_jax.prefix_cache import PrefixCache
 from ksana_jax.request import Request
 from ksana_jax.runner import MAX_SUPPRESSED_IDS, InFlight, ModelRunner
-from ksana_jax.sampling import SampledTokens
+from ksana_jax.sampling import SampledTokens, ScoredLogprobs
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.scheduler import Scheduler, SchedulerOutput
 from ksana_jax.step_metrics import StepTimer
@@ -57,6 +63,10 @@ class _Group:
     samples: list[Request]
     detokenizers: list[IncrementalDetokenizer]
     error: str | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first None), filled as
+    # the first sample's chunks score them; sent with the group's first token.
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False
 
 
 class _Dispatched(NamedTuple):
@@ -103,6 +113,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             model.eos_token_ids,
+            config.max_num_scored_tokens,
         )
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
@@ -110,6 +121,7 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self._in_flight: _Dispatched | None = None  # async scheduling: fetched next step
         self.timer = StepTimer()
+        self._token_texts: dict[int, str] = {}  # token id -> decoded_token of prompt logprobs
 
     def warm_up(self, progress: bool = True) -> int:
         return self.runner.warm_up(progress)
@@ -162,10 +174,16 @@ class LLMEngine:
             )
         if params.top_k >= vocab:  # every token: the same as no top-k (and fits in int32)
             params = dataclasses.replace(params, top_k=0)
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(
+                    f"{name} must be <= max_logprobs ({self.config.max_logprobs}), got {value}"
+                )
+        bad_bias = [t for t in params.logit_bias or () if not t < vocab]
+        if bad_bias:
             raise ValueError(
-                f"logprobs must be <= max_logprobs ({self.config.max_logprobs}), "
-                f"got {params.logprobs}"
+                f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})"
             )
         if params.min_tokens and len(suppressed_ids(params, self.model.eos_token_ids)) > (
             MAX_SUPPRESSED_IDS
@@ -191,7 +209,10 @@ class LLMEngine:
             IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             for _ in samples
         ]
-        return _Group(request_id, text, samples, detoks)
+        group = _Group(request_id, text, samples, detoks)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(token_ids)
+        return group
 
     def add_group(self, group: _Group) -> None:
         if group.request_id in self._groups:
@@ -255,10 +276,12 @@ class LLMEngine:
             self.timer.pause()
             return []
         fetch_begin = time.perf_counter()
-        was_ready = done.in_flight.out.token_ids.is_ready()
-        sampled = self.runner.fetch(done.in_flight)
+        was_ready = done.in_flight.out[0].token_ids.is_ready()
+        sampled, scored = self.runner.fetch(done.in_flight)
         fetch_end = time.perf_counter()
         advanced = self.scheduler.update_from_output(done.scheduled, sampled.token_ids)
+        if scored is not None:
+            self._store_prompt_logprobs(done.scheduled, scored)
         outputs = self._emit(advanced, sampled)
         end = time.perf_counter()
         self.timer.record(begin, end, done.dispatched, fetch_begin, fetch_end, was_ready)
@@ -269,6 +292,44 @@ class LLMEngine:
         self.stats.prefix_cache_queries += scheduled.prefix_cache_queries
         self.stats.prefix_cache_hits += scheduled.prefix_cache_hits
         self.stats.steps += bool(scheduled.chunks)
+
+    def _store_prompt_logprobs(self, scheduled: SchedulerOutput, scored: ScoredLogprobs) -> None:
+        """Files the step's scored positions (in chunk order) as their groups' prompt logprobs:
+        position p's distribution is prompt token p + 1's entry. A group gone (aborted) is
+        skipped; a position scored again (after a preemption) is overwritten."""
+        done = 0
+        for chunk in scheduled.chunks:
+            request = chunk.request
+            group = self._groups.get(request.parent_id)
+            if chunk.num_scored and group is not None and group.prompt_logprobs is not None:
+                for j in range(chunk.num_scored):
+                    position = chunk.start + 1 + j
+                    group.prompt_logprobs[position] = self._prompt_entry(
+                        request.prompt_token_ids[position],
+                        scored,
+                        done + j,
+                        request.params.prompt_logprobs,
+                    )
+            done += chunk.num_scored
+
+    def _prompt_entry(
+        self, token: int, scored: ScoredLogprobs, i: int, num_top: int
+    ) -> dict[int, Logprob]:
+        """Scored position i's entry: the actual next token first, then the top num_top."""
+        entry = {token: (float(scored.logprobs[i]), int(scored.ranks[i]))}
+        top_ids, top_logprobs = scored.top_ids[i, :num_top], scored.top_logprobs[i, :num_top]
+        for rank, (t, lp) in enumerate(
+            zip(top_ids.tolist(), top_logprobs.tolist(), strict=True), 1
+        ):
+            entry.setdefault(t, (lp, rank))
+        return {t: Logprob(lp, rank, self._token_text(t)) for t, (lp, rank) in entry.items()}
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's text alone, as vLLM's Logprob.decoded_token gives it (cached)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _emit(
         self, advanced: list[tuple[int, Request]], sampled: SampledTokens
@@ -357,6 +418,12 @@ class LLMEngine:
                     text_offsets=sample.text_offsets[start:],
                 )
             )
+        prompt_logprobs = None
+        first = group.samples[0]
+        # Complete once the prompt is computed: sent with the first sample's first token.
+        if group.prompt_logprobs is not None and first.output_token_ids:
+            prompt_logprobs = None if group.prompt_logprobs_sent else group.prompt_logprobs
+            group.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -364,4 +431,5 @@ class LLMEngine:
             outputs=completions,
             finished=all(s.is_finished for s in group.samples),
             error=group.error,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -5,11 +5,27 @@ request's previous output -- token ids, text (from the request's own detokenizer
 while it could still be the start of a stop string), logprobs, and each new token's offset
 in the text -- so emitting costs the same at token 10 as at token 10,000. `RequestOutput.add`
 accumulates deltas into the cumulative output `LLM` returns and `AsyncEngine` streams.
+A request with `prompt_logprobs` gets them whole in its first delta (they are complete once
+the prompt is computed, when its first token is sampled).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """One token's entry in a prompt-logprobs dict (vLLM's `Logprob`)."""
+
+    logprob: float
+    rank: int  # 1 + the number of tokens the model gave a higher logprob
+    decoded_token: str | None = None
+
+
+# Per prompt token: None for the first, then {token id: Logprob} holding the actual token
+# and the top-k of the distribution that predicted it.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclasses.dataclass
@@ -37,6 +53,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # set when processing this request raised (it is finished)
+    prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs
 
     def add(self, delta: RequestOutput) -> None:
         """Appends the engine's next delta output of this request to this (cumulative) one."""
@@ -52,6 +69,8 @@ class RequestOutput:
             c.stop_reason = d.stop_reason
         self.finished = delta.finished
         self.error = delta.error
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
     def copy(self) -> RequestOutput:
         """A copy whose lists later `add` calls do not touch."""

@@ -1,6 +1,7 @@
 """The device side of a step: pad the scheduled batch to a bucket, run one jitted call.
 
-In: the scheduler's chunks. Out: one sampled token (+ logprobs) per row. The runner owns the
+In: the scheduler's chunks. Out: one sampled token (+ logprobs) per row, and the prompt
+logprobs of the positions the chunks score (sampling.score_prompt). The runner owns the
 params, the KV array and the persistent batch (batch.py: host rows per slot, and the device's
 BatchState: last sampled tokens and penalty counts); the jitted step (forward + sampling)
 takes the KV and the BatchState donated and returns them, so both are updated in place.
@@ -43,10 +44,13 @@ from ksana_jax.sampling import (
     PenaltyCounts,
     SampledTokens,
     SamplingInputs,
+    ScoredLogprobs,
     count_tokens,
     penalties_active,
     sample,
+    score_prompt,
 )
+from ksana_jax.sampling_params import MAX_LOGIT_BIAS
 from ksana_jax.scheduler import ScheduledChunk
 from ksana_jax.sharding import fetch
 from ksana_jax.step_inputs import StepInputs
@@ -72,10 +76,11 @@ class BatchState:
 
 
 def _model_logits(params, cfg: ModelConfig, kv: jax.Array, inputs: StepInputs, backend: str):
-    """The model: forward over the ragged batch, logits f32[S, V] of each row's last token."""
+    """The model: forward over the ragged batch; logits f32[S, V] of each row's last token,
+    and the final hidden states f32[T, D] (for scored prompt positions)."""
     hidden, kv = registry.forward(params, cfg, kv, inputs, backend)
     last = jnp.maximum(inputs.query_starts[1:] - 1, 0)  # [S]
-    return registry.logits(params, cfg, hidden[last]), kv
+    return registry.logits(params, cfg, hidden[last]), hidden, kv
 
 
 def _engine_step(
@@ -87,10 +92,11 @@ def _engine_step(
     layout: PackLayout,
     max_logprobs: int,
     backend: str = "reference",
-) -> tuple[SampledTokens, jax.Array, BatchState]:
+) -> tuple[tuple[SampledTokens, ScoredLogprobs], jax.Array, BatchState]:
     """Unpacks the step's inputs (StepInputs, SamplingInputs, RowInputs; see batch.pack),
     feeds placeholders their slot's last sampled token, counts the fed tokens for
-    penalties, runs the model and samples each row's last token."""
+    penalties, runs the model, samples each row's last token and scores the prompt
+    positions RowInputs names."""
     inputs, sampling, rows = unpack(buffers, layout)
     fed = state.last_token.at[rows.last_token_slots].get(mode="fill", fill_value=-1)
     inputs = dataclasses.replace(inputs, token_ids=jnp.where(fed >= 0, fed, inputs.token_ids))
@@ -102,10 +108,17 @@ def _engine_step(
         lambda c: c,
         state.counts,
     )
-    logits, kv = _model_logits(params, cfg, kv, inputs, backend)
+    logits, hidden, kv = _model_logits(params, cfg, kv, inputs, backend)
     sampled = sample(logits, sampling, counts, max_logprobs)
+    scored = score_prompt(
+        hidden,
+        rows.scored_token_slots,
+        rows.scored_targets,
+        functools.partial(registry.logits, params, cfg),
+        max_logprobs,
+    )
     last_token = state.last_token.at[sampling.slots].set(sampled.token_ids, mode="drop")
-    return sampled, kv, _replicated(BatchState(last_token, counts))
+    return (sampled, scored), kv, _replicated(BatchState(last_token, counts))
 
 
 def _replicated(tree):
@@ -155,11 +168,13 @@ def kv_pinned_engine_step(kv_format: Format):
 
 
 class InFlight(NamedTuple):
-    """A dispatched step: its device outputs, rows that matter, whether any wants logprobs."""
+    """A dispatched step: its device outputs, rows that matter, whether any wants logprobs,
+    how many prompt positions it scores."""
 
-    out: SampledTokens
+    out: tuple[SampledTokens, ScoredLogprobs]
     num_rows: int
     logprobs: bool
+    num_scored: int
 
 
 def _bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
@@ -237,6 +252,8 @@ class ModelRunner:
             config.page_size,
             MAX_SUPPRESSED_IDS,
             model.eos_token_ids,
+            MAX_LOGIT_BIAS,
+            config.max_num_scored_tokens,
         )
         self.state = self.plan.put_replicated(BatchState.zeros(num_slots, model.config.vocab_size))
         # The cpu and xla backends loop over each sequence's own context, so the page
@@ -251,7 +268,7 @@ class ModelRunner:
 
     def execute(
         self, inputs: StepInputs, sampling: SamplingInputs, rows: RowInputs
-    ) -> SampledTokens:
+    ) -> tuple[SampledTokens, ScoredLogprobs]:
         """Dispatches one jitted step on host inputs; returns its outputs as device arrays
         (not waited for). With several processes every one runs it with the same inputs
         (process 0 sends them first, see multihost.py)."""
@@ -285,21 +302,29 @@ class ModelRunner:
             chunks, num_tokens, num_seqs, context // cfg.page_size
         )
         logprobs = bool((sampling.num_logprobs[: len(chunks)] >= 0).any())
-        return InFlight(self.execute(inputs, sampling, rows), len(chunks), logprobs)
+        num_scored = sum(c.num_scored for c in chunks)
+        return InFlight(self.execute(inputs, sampling, rows), len(chunks), logprobs, num_scored)
 
     @staticmethod
-    def fetch(step: InFlight) -> SampledTokens:
-        """Waits for a dispatched step: each chunk's sampled token and logprobs (numpy; the
-        logprob arrays are copied only when some row asked for them)."""
+    def fetch(step: InFlight) -> tuple[SampledTokens, ScoredLogprobs | None]:
+        """Waits for a dispatched step: each chunk's sampled token and logprobs, and the
+        scored prompt positions' logprobs in chunk order (numpy; logprob arrays are copied
+        only when some row asked for them, else None)."""
         n = step.num_rows
+        out, scored = step.out
         if not step.logprobs:
-            return SampledTokens(fetch(step.out.token_ids)[:n], None, None, None)
-        out = fetch(step.out)
-        return SampledTokens(
-            out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n]
-        )
+            sampled = SampledTokens(fetch(out.token_ids)[:n], None, None, None)
+        else:
+            out = fetch(out)
+            sampled = SampledTokens(
+                out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n]
+            )
+        if not step.num_scored:
+            return sampled, None
+        q = step.num_scored
+        return sampled, jax.tree.map(lambda a: a[:q], fetch(scored))
 
-    def run(self, chunks: list[ScheduledChunk]) -> SampledTokens:
+    def run(self, chunks: list[ScheduledChunk]) -> tuple[SampledTokens, ScoredLogprobs | None]:
         """Runs one step and waits for it."""
         return self.fetch(self.dispatch(chunks))
 

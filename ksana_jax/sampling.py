@@ -1,5 +1,5 @@
-"""On-device sampling inside the jitted step: penalties, temperature, top-k/top-p/min-p,
-per-request seeds, and top-N logprobs.
+"""On-device sampling inside the jitted step: logit bias, penalties, temperature,
+top-k/top-p/min-p, per-request seeds, top-N logprobs, and prompt logprobs.
 
 Penalties read per-row token counts (`PenaltyCounts`: which tokens the prompt holds, how
 often each was generated), kept on device in the persistent batch (runner.BatchState) and
@@ -13,7 +13,12 @@ took ~45 ms of a 64-row SmolLM2 decode step). A row's randomness is
 `fold_in(key(seed), num_generated)` and its noise is
 indexed by token id, so a request's tokens depend only on its seed and its own history,
 not on what else is in the batch. Logprobs are those of the model's raw distribution
-(before penalties and temperature), as vLLM returns them by default.
+(before logit bias, penalties and temperature), as vLLM returns them by default.
+
+Prompt logprobs (`score_prompt`) come from a fixed number Q of a step's prompt positions
+(EngineConfig.max_num_scored_tokens), gathered from the final hidden states: only they go
+through the LM head, and a `lax.switch` on how many are in use projects the smallest size
+of `scored_sizes(Q)` that holds them, so one compiled step serves any mix.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ import jax.numpy as jnp
         "slots",
         "suppressed_ids",
         "num_logprobs",
+        "bias_ids",
+        "bias_values",
     ],
     meta_fields=[],
 )
@@ -60,6 +67,8 @@ class SamplingInputs:
     suppressed_ids: jax.Array  # i32[S, B]  tokens that must not be sampled now (EOS and stop
     #                                       ids while below min_tokens), padded with -1
     num_logprobs: jax.Array  # i32[S]  top-N logprobs wanted (0..max); -1 = no logprobs at all
+    bias_ids: jax.Array  # i32[S, B]  logit_bias token ids, padded with -1
+    bias_values: jax.Array  # f32[S, B]  their biases (0 for padding)
 
 
 @functools.partial(
@@ -162,6 +171,13 @@ def _row_noise(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
     return jax.random.gumbel(key, (vocab,), jnp.float32)
 
 
+def apply_logit_bias(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    """Adds each row's logit_bias entries to its logits f32[S, V] (padding ids are dropped)."""
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], s.bias_ids.shape)
+    ids = jnp.where(s.bias_ids >= 0, s.bias_ids, logits.shape[1])
+    return logits.at[rows, ids].add(s.bias_values, mode="drop")
+
+
 def _with_penalties(logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts) -> jax.Array:
     """apply_penalties, skipped when no row has a penalty (its [S, V] gathers are the cost)."""
     return jax.lax.cond(
@@ -194,7 +210,7 @@ def sample(
     """Samples one token per row of logits f32[S, V]; `counts` holds every row's tokens so far
     (including this step's fed tokens) at its slot."""
     raw_logits = logits
-    logits = _with_penalties(logits, s, counts)
+    logits = _with_penalties(apply_logit_bias(logits, s), s, counts)
     rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], s.suppressed_ids.shape)
     banned = jnp.where(s.suppressed_ids >= 0, s.suppressed_ids, logits.shape[1])
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
@@ -223,3 +239,74 @@ def sample(
         token_ids,
     )
     return SampledTokens(token_ids, chosen, top_ids, top_logprobs)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["logprobs", "ranks", "top_ids", "top_logprobs"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class ScoredLogprobs:
+    """Prompt logprobs at a step's Q scored positions (meaningless past those in use): each
+    position's distribution over the next token, at that token (the target) and its top N."""
+
+    logprobs: jax.Array  # f32[Q]     logprob of the target
+    ranks: jax.Array  # i32[Q]     1 + tokens with a higher logprob than the target
+    top_ids: jax.Array  # i32[Q, N]  N = EngineConfig.max_logprobs
+    top_logprobs: jax.Array  # f32[Q, N]
+
+
+def scored_sizes(num_scored: int) -> tuple[int, ...]:
+    """The sizes score_prompt projects (one `lax.switch` branch each): 16, 64, ... below Q,
+    then Q, so a few scored positions do not pay for the LM head over all Q."""
+    sizes = []
+    size = 16
+    while size < num_scored:
+        sizes.append(size)
+        size *= 4
+    return (*sizes, num_scored)
+
+
+def score_prompt(
+    hidden: jax.Array,
+    token_slots: jax.Array,
+    targets: jax.Array,
+    to_logits,
+    max_logprobs: int,
+) -> ScoredLogprobs:
+    """Logprobs of `targets` i32[Q] (-1 past the positions in use, which come first) under the
+    logits of hidden states f32[T, D] at `token_slots` i32[Q]; `to_logits` maps hidden
+    [R, D] -> logits f32[R, V]. With no position in use, nothing is projected."""
+    q = targets.shape[0]
+    num = jnp.sum(targets >= 0)
+    sizes = scored_sizes(q)
+
+    def padded(out: ScoredLogprobs) -> ScoredLogprobs:
+        return jax.tree.map(
+            lambda a: jnp.pad(a, [(0, q - a.shape[0])] + [(0, 0)] * (a.ndim - 1)), out
+        )
+
+    def project(size: int):
+        def branch(hidden):
+            raw = jax.nn.log_softmax(to_logits(hidden[token_slots[:size]]), axis=-1)
+            target = jnp.maximum(targets[:size], 0)
+            chosen = jnp.take_along_axis(raw, target[:, None], axis=-1)[:, 0]
+            ranks = 1 + jnp.sum(raw > chosen[:, None], axis=-1, dtype=jnp.int32)
+            top_logprobs, top_ids = jax.lax.top_k(raw, max_logprobs)
+            return padded(ScoredLogprobs(chosen, ranks, top_ids.astype(jnp.int32), top_logprobs))
+
+        return branch
+
+    def nothing(hidden):
+        return ScoredLogprobs(
+            jnp.zeros(q, jnp.float32),
+            jnp.zeros(q, jnp.int32),
+            jnp.zeros((q, max_logprobs), jnp.int32),
+            jnp.zeros((q, max_logprobs), jnp.float32),
+        )
+
+    # 0: nothing; else 1 + the first size holding them (a sum, not searchsorted: that is
+    # a while loop, which a GPU runs with a host round trip per trip)
+    index = jnp.where(num == 0, 0, 1 + jnp.sum(num > jnp.asarray(sizes)))
+    return jax.lax.switch(index, [nothing, *map(project, sizes)], hidden)

@@ -8,7 +8,9 @@ ignored.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+MAX_LOGIT_BIAS = 128  # logit_bias entries per request: a fixed-shape row of the step's inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +30,13 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each sampled token
+    # top-N logprobs of each prompt token after the first (vLLM); the request recomputes its
+    # whole prompt (no prefix-cache hit) so every position's logits exist
+    prompt_logprobs: int | None = None
+    # OpenAI: token id -> bias in [-100, 100] added to the logits before sampling (the
+    # logprobs reported stay the model's raw ones); ids are checked against the vocabulary
+    # by the engine
+    logit_bias: Mapping[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -35,6 +44,8 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         checks = [
             ("n", self.n >= 1, "must be >= 1"),
             ("temperature", self.temperature >= 0, "must be >= 0"),
@@ -47,6 +58,11 @@ class SamplingParams:
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be >= 1"),
             ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "must be >= 0",
+            ),
             ("seed", self.seed is None or 0 <= self.seed < 2**32, "must be in [0, 2**32)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
         ]
@@ -58,6 +74,32 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
             )
 
+    def __hash__(self) -> int:  # logit_bias is a dict: hash what identifies the rest
+        return hash(tuple(v for k, v in vars(self).items() if k != "logit_bias"))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _logit_bias(bias: Mapping[int, float]) -> dict[int, float]:
+    """A logit_bias mapping as {int id: float bias}, checked: at most MAX_LOGIT_BIAS entries,
+    ids >= 0 (JSON's string keys accepted), biases in [-100, 100]."""
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id, b = int(key), float(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"logit_bias must map token ids to numbers, got {key!r}: {value!r}"
+            ) from None
+        if token_id < 0:
+            raise ValueError(f"logit_bias token ids must be >= 0, got {key!r}")
+        if not -100 <= b <= 100:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for {key!r}")
+        out[token_id] = b
+    return out

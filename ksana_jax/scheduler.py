@@ -31,6 +31,13 @@ finishes may have run one step more (its token is discarded: `update_from_output
 finished requests), and a request whose max_tokens are all scheduled is not run again.
 Each running request holds a slot of the persistent batch (`Request.slot`, in
 [0, max_num_seqs)), so at most max_num_seqs requests run.
+
+Prompt logprobs: a request that asks for them (its first sample, until its prompt is
+computed) has each prompt position scored as its chunk computes it (`ScheduledChunk.
+num_scored`), under a third budget, `max_num_scored_tokens` positions a step (a fixed shape
+of the step), which may cut its chunks smaller. It skips the prefix cache lookup: a cached
+page's positions would have no logits, so it recomputes its whole prompt (as vLLM does); its
+pages still enter the cache for others.
 """
 
 from __future__ import annotations
@@ -46,6 +53,16 @@ from ksana_jax.request import Request, RequestStatus
 from ksana_jax.sampling_params import SamplingParams
 
 
+def scores_prompt(request: Request) -> bool:
+    """The request's next chunks must score their prompt positions: it asks for prompt
+    logprobs (only the first of n samples computes them), and has no output yet."""
+    return (
+        request.params.prompt_logprobs is not None
+        and request.index == 0
+        and request.num_output_tokens == 0
+    )
+
+
 def has_penalty(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0
@@ -57,12 +74,15 @@ def has_penalty(params: SamplingParams) -> bool:
 @dataclasses.dataclass(frozen=True)
 class ScheduledChunk:
     """`num_tokens` of `request`'s tokens from position `start` run this step; `samples`:
-    the chunk reaches the request's last token, so its logits are sampled."""
+    the chunk reaches the request's last token, so its logits are sampled; `num_scored`:
+    its first positions whose logprobs of the next prompt token are computed (prompt
+    logprobs: positions start .. start + num_scored - 1)."""
 
     request: Request
     start: int
     num_tokens: int
     samples: bool
+    num_scored: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -92,12 +112,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         eos_token_ids: Sequence[int] = (),
+        max_num_scored_tokens: int | None = None,
     ):
         self.pages = pages
         self.cache = pages.cache
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_scored_tokens = max_num_scored_tokens or max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key
@@ -162,6 +184,7 @@ class Scheduler:
         for request in self.running:
             self._cache_computed_pages(request)
         budget = self.max_num_batched_tokens
+        scored_budget = self.max_num_scored_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         out = SchedulerOutput(chunks, preempted)
@@ -172,7 +195,13 @@ class Scheduler:
                 continue  # every token it may have is scheduled: it ends with its last one
             if budget == 0 or len(chunks) == self.max_num_seqs:
                 break
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = _fit_scored(
+                request,
+                min(request.num_tokens - request.num_computed_tokens, budget),
+                scored_budget,
+            )
+            if n == 0:
+                continue  # its prompt positions wait for the next step's scored budget
             while not self._reserve_pages(request, request.num_computed_tokens + n):
                 victim = max(self.running, key=lambda r: r.sort_key)
                 self._preempt(victim)
@@ -182,6 +211,7 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:
                 chunks.append(self._chunk(request, n))
                 budget -= n
+                scored_budget -= chunks[-1].num_scored
         # Start (or resume) waiting requests only when nothing had to be preempted.
         while (
             self.waiting
@@ -191,7 +221,7 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
-            n = self._admit(request, budget)
+            n = self._admit(request, budget, scored_budget)
             if n == 0:
                 break
             self.waiting.pop(0)
@@ -203,6 +233,7 @@ class Scheduler:
                 out.prefix_cache_hits += request.num_computed_tokens
             chunks.append(self._chunk(request, n))
             budget -= n
+            scored_budget -= chunks[-1].num_scored
         for chunk in chunks:  # the step computes them; a sampling one adds a (future) token
             chunk.request.num_computed_tokens += chunk.num_tokens
             chunk.request.num_placeholders += chunk.samples
@@ -212,9 +243,12 @@ class Scheduler:
     def _chunk(request: Request, n: int) -> ScheduledChunk:
         assert n > 0 and not (request.num_placeholders and n > 1), (n, request.num_placeholders)
         start = request.num_computed_tokens
-        return ScheduledChunk(request, start, n, start + n == request.num_tokens)
+        num_scored = 0
+        if scores_prompt(request):
+            num_scored = max(0, min(start + n, len(request.prompt_token_ids) - 1) - start)
+        return ScheduledChunk(request, start, n, start + n == request.num_tokens, num_scored)
 
-    def _admit(self, request: Request, budget: int) -> int:
+    def _admit(self, request: Request, budget: int, scored_budget: int) -> int:
         """Gives a waiting request its cached prefix and the pages of its first chunk.
 
         Returns the chunk's size, or 0 if pages are short: then the request holds nothing,
@@ -222,8 +256,13 @@ class Scheduler:
         """
         assert not request.num_placeholders, "a request waits until its tokens are known"
         # Penalty counts are built from the tokens a request computes, so a request with a
-        # penalty computes them all (batch.py); it still fills the cache for others.
-        if self.cache is not None and not has_penalty(request.params):
+        # penalty computes them all (batch.py), and so does one scoring its prompt (its
+        # positions need logits); both still fill the cache for others.
+        if (
+            self.cache is not None
+            and not has_penalty(request.params)
+            and not scores_prompt(request)
+        ):
             max_pages = (request.num_tokens - 1) // self.page_size  # the last token computes
             page_ids, hashes = self.cache.lookup(
                 request.all_token_ids, max_pages, request.cache_salt
@@ -231,8 +270,10 @@ class Scheduler:
             self.pages.share(page_ids)
             request.page_ids, request.page_hashes = page_ids, hashes
             request.num_computed_tokens = len(page_ids) * self.page_size
-        n = min(request.num_tokens - request.num_computed_tokens, budget)
-        if not self._reserve_pages(request, request.num_computed_tokens + n):
+        n = _fit_scored(
+            request, min(request.num_tokens - request.num_computed_tokens, budget), scored_budget
+        )
+        if n == 0 or not self._reserve_pages(request, request.num_computed_tokens + n):
             self._release(request)
             return 0
         return n
@@ -279,3 +320,12 @@ class Scheduler:
                 page_hash(parent, token_ids[i * self.page_size : (i + 1) * self.page_size])
             )
             self.cache.insert(request.page_ids[i], hashes[-1])
+
+
+def _fit_scored(request: Request, n: int, scored_budget: int) -> int:
+    """`n` tokens of the request's next chunk, cut so that it scores at most `scored_budget`
+    prompt positions (0: it must wait)."""
+    if not scores_prompt(request):
+        return n
+    to_score = len(request.prompt_token_ids) - 1 - request.num_computed_tokens
+    return n if to_score <= scored_budget else min(n, scored_budget)

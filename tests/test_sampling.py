@@ -30,8 +30,10 @@ from ksana_jax.sampling import (
     apply_penalties,
     count_tokens,
     sample,
+    score_prompt,
+    scored_sizes,
 )
-from ksana_jax.sampling_params import SamplingParams
+from ksana_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 V = 16  # vocabulary of every sampler call here
 M = 12  # history length of every call (one compiled shape per batch size)
@@ -98,8 +100,9 @@ def counts_from_history(history, num_prompt, vocab=V) -> PenaltyCounts:
     )
 
 
-def make_inputs(num_seqs: int, history=None, suppressed=None, vocab=V, **fields) -> Rows:
-    """Rows with per-row fields (scalars broadcast); history -1 padded to M."""
+def make_inputs(num_seqs: int, history=None, suppressed=None, vocab=V, bias=None, **fields) -> Rows:
+    """Rows with per-row fields (scalars broadcast); history -1 padded to M; bias: per row a
+    {token id: bias} dict (logit_bias)."""
     arrays = {}
     for name, default in DEFAULTS.items():
         value = np.asarray(fields.pop(name, default))
@@ -112,9 +115,16 @@ def make_inputs(num_seqs: int, history=None, suppressed=None, vocab=V, **fields)
     history = np.asarray(history, np.int32)
     assert history.shape == (num_seqs, M)
     suppressed = np.full((num_seqs, 4), -1, np.int32) if suppressed is None else suppressed
+    bias_ids = np.full((num_seqs, 4), -1, np.int32)
+    bias_values = np.zeros((num_seqs, 4), np.float32)
+    for row, entries in enumerate(bias or ()):
+        bias_ids[row, : len(entries)] = list(entries)
+        bias_values[row, : len(entries)] = list(entries.values())
     s = SamplingInputs(
         suppressed_ids=jnp.asarray(suppressed, jnp.int32),
         slots=jnp.arange(num_seqs, dtype=jnp.int32),
+        bias_ids=jnp.asarray(bias_ids),
+        bias_values=jnp.asarray(bias_values),
         **arrays,
     )
     return Rows(s, counts_from_history(history, arrays["num_prompt_tokens"], vocab))
@@ -622,6 +632,14 @@ def test_logprobs_are_raw_log_softmax():
         (dict(min_tokens=-1), "min_tokens"),
         (dict(min_tokens=5, max_tokens=4), "min_tokens"),
         (dict(logprobs=-1), "logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(logit_bias={1: 100.5}), "logit_bias"),
+        (dict(logit_bias={1: -101}), "logit_bias"),
+        (dict(logit_bias={1: float("nan")}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={"x": 1.0}), "logit_bias"),
+        (dict(logit_bias=[1, 2]), "logit_bias"),
+        (dict(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}), "logit_bias"),
         (dict(seed=-1), "seed"),
         (dict(seed=2**32), "seed"),
         (dict(stop=""), "stop"),
@@ -641,6 +659,7 @@ def test_sampling_params_accepts_edges():
         dict(presence_penalty=2, frequency_penalty=-2, seed=2**32 - 1),
         dict(max_tokens=None, min_tokens=100),
         dict(max_tokens=4, min_tokens=4),
+        dict(prompt_logprobs=0, logit_bias={i: -100 for i in range(MAX_LOGIT_BIAS)}),
     ]:
         SamplingParams(**kwargs)
     assert SamplingParams(temperature=0.0).greedy
@@ -653,6 +672,8 @@ def test_sampling_params_stop_normalized():
     assert SamplingParams(stop=None).stop == ()
     assert SamplingParams().stop == ()
     assert SamplingParams(stop_token_ids=[3, np.int64(4)]).stop_token_ids == (3, 4)
+    # JSON gives logit_bias string keys
+    assert SamplingParams(logit_bias={"7": -100, 3: 5}).logit_bias == {7: -100.0, 3: 5.0}
 
 
 def test_suppressed_ids_are_never_sampled():
@@ -670,3 +691,47 @@ def test_suppressed_ids_are_never_sampled():
     assert not set(out.token_ids.tolist()) & {1, 2}
     raw = logits[0] - np.log(np.exp(logits[0]).sum())
     np.testing.assert_allclose(out.logprobs, raw[out.token_ids], atol=1e-5)
+
+
+def test_logit_bias_is_added_before_sampling():
+    """+100 forces a token and -100 bans it, greedy or sampled; rows without bias are
+    untouched; the logprobs stay those of the raw distribution."""
+    logits = np.tile(np.array([[0.0, 5.0, 4.0, 1.0, -1.0, 3.0]], np.float32), (4, 1))
+    bias = [{4: 100.0}, {1: -100.0, 2: -100.0}, {}, {3: 4.5}]
+    for temperature in (0.0, 1.0):
+        out = run(logits, make_inputs(4, vocab=6, bias=bias, temperature=temperature, seeds=7))
+        assert out.token_ids[0] == 4 and out.token_ids[1] not in (1, 2)
+        if temperature == 0.0:
+            assert out.token_ids.tolist() == [4, 5, 1, 3]
+    greedy = run(logits, make_inputs(4, vocab=6, bias=bias, temperature=0.0, num_logprobs=2))
+    np.testing.assert_allclose(
+        greedy.logprobs, np_log_softmax(logits)[np.arange(4), greedy.token_ids], atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("num_used", [0, 1, 16, 17, 40])
+def test_score_prompt_is_log_softmax_at_the_scored_positions(num_used):
+    """Prompt logprobs of the first num_used of Q = 40 scored positions (each size branch of
+    the switch: 16, 40) equal numpy's, with the target's rank."""
+    rng = np.random.default_rng(num_used)
+    T, D, Q, N = 48, 8, 40, 3
+    hidden = rng.normal(size=(T, D)).astype(np.float32)
+    head = rng.normal(size=(D, V)).astype(np.float32)
+    slots = np.zeros(Q, np.int32)
+    slots[:num_used] = rng.permutation(T)[:num_used]
+    targets = np.full(Q, -1, np.int32)
+    targets[:num_used] = rng.integers(0, V, num_used)
+    out = jax.jit(score_prompt, static_argnums=(3, 4))(
+        hidden, slots, targets, lambda h: h @ jnp.asarray(head), N
+    )
+    out = jax.tree.map(np.asarray, out)
+    assert scored_sizes(Q) == (16, Q) and out.top_ids.shape == (Q, N)
+    raw = np_log_softmax(hidden[slots[:num_used]] @ head)
+    want = raw[np.arange(num_used), targets[:num_used]]
+    np.testing.assert_allclose(out.logprobs[:num_used], want, atol=1e-5)
+    np.testing.assert_array_equal(out.ranks[:num_used], 1 + (raw > want[:, None]).sum(axis=1))
+    top_ids = np.argsort(-raw, axis=1, kind="stable")[:, :N]
+    np.testing.assert_array_equal(out.top_ids[:num_used], top_ids)
+    np.testing.assert_allclose(
+        out.top_logprobs[:num_used], np.take_along_axis(raw, top_ids, axis=1), atol=1e-5
+    )

@@ -1076,3 +1076,36 @@ def test_shared_prefix_hits_and_last_token_is_computed():
     assert summary(out) == [("r3", 12, 1)]
     assert pages.num_free == pages.num_usable and pages.num_used == 0
     assert pages.cache.num_parked == len(pages.cache) > 0
+
+
+def test_prompt_logprobs_chunks_fit_the_scored_budget_and_skip_the_cache():
+    """A request with prompt_logprobs scores each prompt position but the last once (the
+    last predicts its first output), within max_num_scored_tokens a step, which cuts only
+    its own chunks; it recomputes a cached prefix, and its pages still enter the cache."""
+    pages = PageManager(64, PrefixCache(4))
+    sched = Scheduler(pages, 4, 8, 64, max_num_scored_tokens=5)
+    cached = make_request(0, prompt_len=10, max_tokens=1)
+    sched.add(cached)
+    engine_step(sched)
+    scoring = make_request(1, prompt_len=12, max_tokens=2)
+    scoring.prompt_token_ids[:10] = cached.prompt_token_ids
+    scoring.params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    plain = make_request(2, prompt_len=9, max_tokens=2)
+    sched.add(scoring)
+    sched.add(plain)
+    steps = []
+    while sched.has_unfinished():
+        out = engine_step(sched)
+        steps.append(
+            [(*row, c.num_scored) for row, c in zip(summary(out), out.chunks, strict=True)]
+        )
+    assert steps == [
+        [("r1", 0, 5, 5), ("r2", 0, 9, 0)],  # no cache hit for r1; r2 is not cut
+        [("r1", 5, 5, 5), ("r2", 9, 1, 0)],
+        [("r1", 10, 2, 1)],  # position 11 (the last) samples, unscored
+        [("r1", 12, 1, 0)],
+    ]
+    later = make_request(3, prompt_len=13, max_tokens=1)
+    later.prompt_token_ids[:12] = scoring.prompt_token_ids
+    sched.add(later)
+    assert summary(engine_step(sched)) == [("r3", 12, 1)]  # r1's three pages

@@ -9,8 +9,10 @@ import numpy as np
 from ksana_jax import SamplingParams
 
 VARIANTS = [
-    SamplingParams(temperature=0, max_tokens=5),
-    SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=9, logprobs=3),
+    SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=2),
+    SamplingParams(
+        temperature=0.8, top_k=5, seed=1, max_tokens=9, logprobs=3, logit_bias={5: -100}
+    ),
     SamplingParams(
         temperature=1.0,
         top_p=0.5,
@@ -26,8 +28,9 @@ VARIANTS = [
 
 def run_varied_workload(engine, vocab: int, seed: int = 0) -> None:
     """24 requests of 1-119 random tokens below `vocab`, every third one opening with part of
-    a shared 64-token prefix (prefix-cache hits), over VARIANTS (greedy; top-k with logprobs;
-    top-p and min-p with penalties; n=2 with a stop string and min_tokens) at priorities
+    a shared 64-token prefix (prefix-cache hits), over VARIANTS (greedy with prompt logprobs;
+    top-k with logprobs and logit_bias; top-p and min-p with penalties; n=2 with a stop
+    string and min_tokens) at priorities
     0-2; after every fifth one a step and the abort of an earlier one; then steps until
     every request is done."""
     rng = np.random.default_rng(seed)
