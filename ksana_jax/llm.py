@@ -27,6 +27,7 @@ from ksana_jax.demo import resolve_model
 from ksana_jax.engine import LLMEngine
 from ksana_jax.model import Model, load
 from ksana_jax.outputs import RequestOutput
+from ksana_jax.sampling_defaults import sampling_defaults
 from ksana_jax.sampling_params import SamplingParams
 
 # Text, token ids, or vLLM's prompt dicts {"prompt": text} / {"prompt_token_ids": ids}.
@@ -88,8 +89,15 @@ class LLM:
                 f"process {jax.process_index()} follows process 0's steps: call follow()"
             )
         request_id = f"llm-{next(self._ids)}"
+        if params is None:
+            params = self.get_default_sampling_params()
         self.engine.add_request(request_id, _prompt_of(prompt), params)
         return request_id
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without SamplingParams uses (vLLM's name): the model's
+        generation_config.json sampling fields, OpenAI's defaults for the rest."""
+        return SamplingParams(**sampling_defaults(self.model.generation_config))
 
     def generate(
         self,

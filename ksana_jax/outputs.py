@@ -61,10 +61,14 @@ class RequestOutput:
             assert c.index == d.index, (c.index, d.index)
             c.text += d.text
             c.token_ids.extend(d.token_ids)
+            # Extended in place (a new list each time would make accumulating quadratic in
+            # the output's length); the engine hands every delta lists of its own.
             if d.logprobs is not None:
-                c.logprobs = (c.logprobs or []) + d.logprobs
+                c.logprobs = c.logprobs if c.logprobs is not None else []
+                c.logprobs.extend(d.logprobs)
             if d.text_offsets is not None:
-                c.text_offsets = (c.text_offsets or []) + d.text_offsets
+                c.text_offsets = c.text_offsets if c.text_offsets is not None else []
+                c.text_offsets.extend(d.text_offsets)
             c.finish_reason = d.finish_reason
             c.stop_reason = d.stop_reason
         self.finished = delta.finished

@@ -119,7 +119,7 @@ def sampling_params(
 ) -> SamplingParams:
     """The engine's SamplingParams for a body; a bad value is a 400 naming its field."""
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    # Fields the request left out take the model's defaults (sampling_defaults.py).
+    # Fields the request left out take the model's defaults (ksana_jax/sampling_defaults.py).
     model = {k: v if getattr(body, k) is None else getattr(body, k) for k, v in state.sampling}
     try:
         return SamplingParams(

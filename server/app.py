@@ -17,8 +17,8 @@ SamplingParams and prompts; the engine's outputs -> OpenAI's shapes) -> streamin
 engine request per prompt, its delta outputs streamed as SSE or added up; a client that goes
 away has its requests aborted). Tokenizing, chat templates and the engine's request checks
 run off the event loop (tokenize_pool.py); sampling fields a request leaves out take the
-model's defaults (sampling_defaults.py); while the server stops (shutdown.py) new requests
-get 503.
+model's defaults (ksana_jax/sampling_defaults.py); while the server stops (shutdown.py) new
+requests get 503.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from litestar.openapi import OpenAPIConfig
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ksana_jax.async_engine import AsyncEngine
+from ksana_jax.sampling_defaults import sampling_defaults
 from server import schemas as s
 from server.admission import ServerState, check_raw_body, require_api_key, state_of
 from server.chat import create_chat_completion
@@ -38,7 +39,6 @@ from server.completions import create_completion
 from server.errors import EXCEPTION_HANDLERS
 from server.limits import RequestLimits
 from server.metrics import Metrics
-from server.sampling_defaults import sampling_defaults
 from server.tokenize_pool import HostWork
 
 MAX_BODY_BYTES = 4 * 1024 * 1024

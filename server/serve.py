@@ -26,9 +26,9 @@ from ksana_jax.config import EngineConfig
 from ksana_jax.demo import DEMO_NAME, cache_dir, resolve_model
 from ksana_jax.engine import LLMEngine
 from ksana_jax.model import load
+from ksana_jax.sampling_defaults import described, sampling_defaults
 from server.app import create_app, start_workers, stop_accepting
 from server.limits import RequestLimits
-from server.sampling_defaults import described, sampling_defaults
 from server.shutdown import Server, with_header_timeout
 
 log = logging.getLogger("ksana_jax.server")

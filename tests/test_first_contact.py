@@ -13,7 +13,7 @@ import pytest
 from conftest import write_tiny_hf
 
 from ksana_jax import cli
-from server.sampling_defaults import OPENAI_DEFAULTS, sampling_defaults
+from ksana_jax.sampling_defaults import OPENAI_DEFAULTS, sampling_defaults
 
 MODEL_NAME = "tiny"
 QUICK_START = {"prompt": "The capital of France is", "max_tokens": 16}  # serve's curl line
@@ -47,6 +47,25 @@ def greedy_by_default(tmp_path_factory):
     with TestClient(create_app(engine, MODEL_NAME, tokenizer_processes=0)) as client:
         yield client
     engine.shutdown()
+
+
+def test_llm_without_sampling_params_takes_the_models_defaults(tmp_path):
+    """`LLM.generate(prompts)` samples as the model's generation_config.json says (vLLM's
+    get_default_sampling_params): temperature 0 there makes it greedy, seeds or not."""
+    from ksana_jax import LLM, SamplingParams
+
+    write_tiny_hf(tmp_path, initializer_range=0.2)
+    config = json.loads((tmp_path / "generation_config.json").read_text())
+    config |= {"temperature": 0.0, "top_k": 7}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    llm = LLM(tmp_path, warm_up=False, max_model_len=64, max_num_seqs=2)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.0, 7, 1.0)
+    prompt = [5, 6, 7]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    got = llm.generate([prompt], use_tqdm=False)[0].outputs[0]
+    assert got.token_ids[: len(want)] == want[: len(got.token_ids)] and got.token_ids
 
 
 def completion(http, **fields) -> str:

@@ -1,9 +1,10 @@
 """Default sampling parameters from the model's generation_config.json.
 
-As vLLM does with `--generation-config auto` (its default): a request that leaves one of
-these fields out (or sends null) gets the model's value, and the OpenAI default only where
-the model has none. A field the request sets always wins. HF's `do_sample` is not read (vLLM
-does not either): a model whose generation_config.json says `temperature: 0.6` samples at 0.6.
+As vLLM does with `--generation-config auto` (its default): a server request that leaves one
+of these fields out (or sends null), and an `LLM` call without SamplingParams, get the
+model's value, and the OpenAI default only where the model has none. A field the request
+sets always wins. HF's `do_sample` is not read (vLLM does not either): a model whose
+generation_config.json says `temperature: 0.6` samples at 0.6.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from ksana_jax.sampling_params import SamplingParams
 
-log = logging.getLogger("ksana_jax.server")
+log = logging.getLogger("ksana_jax")
 
 # Request field -> the default when the model's generation config has no value for it.
 OPENAI_DEFAULTS: dict[str, float | int] = {
