@@ -134,6 +134,7 @@ def sampling_params(
             stop_token_ids=body.stop_token_ids or (),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            logit_bias=body.logit_bias,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
         )

@@ -1,7 +1,7 @@
 """OpenAI wire formats as msgspec Structs (field names are OpenAI's, plus vLLM's extensions).
 
 Requests are decoded strictly: an unknown field is a 400 naming it, and the fields OpenAI
-defines but ksana-jax does not implement (`logit_bias`, `best_of`, `tools`, ...) are
+defines but ksana-jax does not implement (`best_of`, `tools`, `response_format`, ...) are
 declared only so that a request using them gets a 400 saying so instead of being silently
 served without them. Ranges that are fixed live here as `Meta` constraints (they show in
 the OpenAPI schema); ranges that depend on the engine (`logprobs` <= max_logprobs, prompt +
@@ -84,7 +84,6 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 UNSUPPORTED_FIELDS = (
-    "logit_bias",
     "best_of",
     "suffix",
     "response_format",

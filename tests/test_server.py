@@ -473,7 +473,9 @@ CHAT_OK = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "w5"}],
         ("/v1/completions", OK | {"n": 0}, "n"),
         ("/v1/completions", OK | {"logprobs": 6}, "logprobs"),
         ("/v1/completions", OK | {"min_tokens": 5}, "min_tokens"),
-        ("/v1/completions", OK | {"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ("/v1/completions", OK | {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", OK | {"logit_bias": {"999999": 1}}, "logit_bias"),
+        ("/v1/chat/completions", CHAT_OK | {"logit_bias": {"-1": 1}}, "logit_bias"),
         ("/v1/completions", OK | {"best_of": 2}, "best_of"),
         ("/v1/completions", OK | {"stop_token_ids": [2**40]}, "stop_token_ids"),
         ("/v1/completions", OK | {"frobnicate": 1}, "frobnicate"),
@@ -501,6 +503,24 @@ def test_bad_request_is_400_naming_the_field(server, path, body, param):
     if param is not None:
         assert error["param"] == param, error
         assert param in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_logit_bias_forces_and_bans_tokens(server, path):
+    """OpenAI's logit_bias on both routes: +100 makes a token the greedy choice, -100 bans
+    the token greedy decoding picked without it."""
+    base = (OK if path == "/v1/completions" else CHAT_OK) | {"temperature": 0, "ignore_eos": True}
+
+    def words(bias):
+        response = post(server, path, base | {"logit_bias": bias})
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return (choice.get("text") or choice["message"]["content"]).split()
+
+    plain = words({})
+    assert words({"9": 100}) == ["w9"] * 4 != plain
+    banned = int(plain[0].removeprefix("w"))
+    assert words({str(banned): -100})[0] != plain[0]
 
 
 def test_null_means_the_default(server):
