@@ -2,6 +2,7 @@
 
     POST /v1/completions        prompt(s) -> text, streaming (SSE) or not     completions.py
     POST /v1/chat/completions   messages -> the chat template -> text         chat.py
+    POST /tokenize, /detokenize text or messages <-> token ids (vLLM's)        tokens.py
     GET  /v1/models             the served model
     GET  /health                200 once warm-up is done, 503 before (and if the engine died)
     GET  /metrics               Prometheus                                    metrics.py
@@ -40,6 +41,7 @@ from server.errors import EXCEPTION_HANDLERS
 from server.limits import RequestLimits
 from server.metrics import Metrics
 from server.tokenize_pool import HostWork
+from server.tokens import detokenize, tokenize
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -112,7 +114,15 @@ def create_app(
     )
     return Litestar(
         on_shutdown=[work.shutdown],
-        route_handlers=[create_completion, create_chat_completion, list_models, health, metrics],
+        route_handlers=[
+            create_completion,
+            create_chat_completion,
+            tokenize,
+            detokenize,
+            list_models,
+            health,
+            metrics,
+        ],
         before_request=check_raw_body,
         state=State({"server": state}),
         exception_handlers=EXCEPTION_HANDLERS,

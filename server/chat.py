@@ -37,11 +37,12 @@ from server.streaming import ChoiceProgress, Run, collect, event_stream
 
 async def _chat_prompt(state: ServerState, data: s.ChatCompletionRequest) -> list[int]:
     """The chat template (a worker thread) applied and encoded (a worker process)."""
-    text = await state.work.run(_chat_text, state.engine.tokenizer, data)
+    text = await state.work.run(chat_text, state.engine.tokenizer, data)
     return await state.work.encode(text, add_special_tokens=False)
 
 
-def _chat_text(tokenizer: Tokenizer, data: s.ChatCompletionRequest) -> str:
+def chat_text(tokenizer: Tokenizer, data: s.ChatCompletionRequest | s.TokenizeRequest) -> str:
+    """The chat template applied to a body's messages (run it off the event loop)."""
     messages = []
     for m in data.messages:
         content = m.content

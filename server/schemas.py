@@ -121,7 +121,33 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     add_generation_prompt: bool | None = True
 
 
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /tokenize body: `prompt` text, or chat `messages` through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---------------------------------------------------------------------------- responses
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
 
 
 class Usage(msgspec.Struct):
