@@ -126,7 +126,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool | None = True
 

@@ -592,7 +592,7 @@ def test_fuzzed_requests_never_5xx(server):
     schema = schemathesis.openapi.from_dict(raw)
     auth = {"Authorization": f"Bearer {API_KEY}"}
     failures, statuses = [], collections.Counter()
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
 
             @settings(
