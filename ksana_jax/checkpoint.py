@@ -26,6 +26,7 @@ that says to convert again; the CLI prints that line, not a traceback.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 from collections.abc import Callable
@@ -270,6 +271,9 @@ def load_params(
         with ocp.StandardCheckpointer() as checkpointer:
             flat = checkpointer.restore((Path(path) / PARAMS_DIR).absolute(), abstract)
     except Exception as e:  # TensorStore and orbax errors: name the parameter
+        # The other reads' futures fail too and, never awaited, asyncio logs each one as it
+        # is collected ("Future exception was never retrieved"): this error says it once.
+        logging.getLogger("asyncio").addFilter(_unretrieved_futures)
         name = _failed_param(e)
         what = f"parameter {name}" if name else "a parameter"
         raise CheckpointError(
@@ -291,6 +295,11 @@ def _fitting(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> jax.sha
         if dim % max(1, int(np.prod([sharding.mesh.shape[a] for a in axes]))):
             return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
     return sharding
+
+
+def _unretrieved_futures(record: logging.LogRecord) -> bool:
+    """A logging filter dropping asyncio's "... exception was never retrieved" records."""
+    return not record.getMessage().endswith("exception was never retrieved")
 
 
 def _quiet_late_reads() -> Callable[[Any], None]:
