@@ -24,14 +24,15 @@ from tests.conftest import write_tiny_hf
 from tests.servers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
-LONG = {"prompt": "w5 w6", "max_tokens": 500, "ignore_eos": True, "stream": True}
-FLAGS = ["--max-model-len=512", "--max-num-seqs=32", "--max-num-batched-tokens=64"]
+# Long enough that no stream finishes between the signals even on a fast, quiet machine.
+LONG = {"prompt": "w5 w6", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+FLAGS = ["--max-model-len=4096", "--max-num-seqs=32", "--max-num-batched-tokens=64"]
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-shutdown")
-    write_tiny_hf(path)
+    write_tiny_hf(path, max_position_embeddings=4096)
     return path
 
 
@@ -165,7 +166,7 @@ def test_a_second_sigterm_aborts_at_once(tiny_dir):
     served.wait_healthy()
     events, threads = start_streams(served.url, 4)
     served.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    time.sleep(0.2)
     served.proc.send_signal(signal.SIGTERM)
     rc, _ = served.wait_exit(timeout=10)
     for thread in threads:
