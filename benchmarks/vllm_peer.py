@@ -55,6 +55,38 @@ def python() -> Path | None:
     return exe
 
 
+def smollm2_hf_dir() -> Path:
+    """SmolLM2-135M-Instruct as a transformers directory (safetensors, float32, from the
+    bundled GGUF: the same weights as the demo checkpoint), written once: what vLLM loads."""
+    out = cache_dir() / "SmolLM2-135M-Instruct-hf"
+    if (out / "config.json").exists():
+        return out
+    import shutil
+
+    import torch
+    import transformers
+
+    from ksana_jax.demo import demo_gguf_path
+
+    gguf = demo_gguf_path()
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    # Loaded from a GGUF, transformers keeps the weights packed and will not save them: a
+    # dense model of the same config takes the dequantized state dict.
+    packed = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    config = packed.config
+    del config.quantization_config  # "gguf": the saved weights are plain float32
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(packed.state_dict())
+    model.save_pretrained(staging)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(staging)
+    staging.rename(out)
+    return out
+
+
 def run(
     model: Path | str,
     prompts: list[list[int]],
