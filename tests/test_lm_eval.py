@@ -21,8 +21,6 @@ import torch
 from tests.conftest import write_tiny_hf
 from tests.test_server import start_server, stop_server
 
-lm_eval = pytest.importorskip("lm_eval")  # the test extra pins it; a missing one is a skip
-
 MODEL = "tiny"
 FLAGS = ["--served-model-name", MODEL, "--max-model-len=64", "--max-num-seqs=8"]
 FLAGS += ["--max-num-batched-tokens=64", "--max-logprobs=2"]
@@ -69,6 +67,15 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(f"w{rng.randrange(3, 160)}" for _ in range(n))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def offline():
+    """Nothing is fetched: the data, the task and the checkpoint are local files."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_OFFLINE", "1")
+        env.setenv("HF_DATASETS_OFFLINE", "1")
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(checkpoint dir, transformers' model of it)."""
@@ -109,6 +116,7 @@ def server(tiny):
 
 
 def evaluate(tasks, task: str, model: str, model_args: str, **kw) -> dict:
+    import lm_eval  # imported here, under `offline`
     from lm_eval.tasks import TaskManager
 
     return lm_eval.simple_evaluate(
