@@ -81,22 +81,31 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Any:
     tokenizer = state.engine.tokenizer
     n, created = params.n, int(time.time())
 
-    def echo(i: int, out: RequestOutput) -> str:
-        if not data.echo:
-            return ""
-        text = prompts[i]
-        return text if isinstance(text, str) else tokenizer.decode(out.prompt_token_ids)
+    echoes: dict[int, tuple[str, s.CompletionLogprobs | None]] = {}
+
+    def echo(i: int, out: RequestOutput) -> tuple[str, s.CompletionLogprobs | None]:
+        """Prompt i's echo: its text and, with logprobs, its tokens' (made once, for all n
+        choices; `out` carries the prompt logprobs when they are asked for)."""
+        if i not in echoes:
+            text = prompts[i]
+            if not isinstance(text, str):
+                text = tokenizer.decode(out.prompt_token_ids)
+            scores = None
+            if echo_scores:
+                scores = echo_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs)
+            echoes[i] = text, scores
+        return echoes[i]
 
     def choice(i: int, out: RequestOutput, c: CompletionOutput, first: bool) -> s.CompletionChoice:
         """`c`'s tokens (a delta or all of them) as a choice; the echo leads its first."""
-        echoed = echo(i, out) if first else ""
+        text, scores = echo(i, out) if data.echo else ("", None)
         logprobs = None
         if data.logprobs is not None:
-            logprobs = completion_logprobs(tokenizer, c, data.logprobs, len(echo(i, out)))
-            if echoed:
-                prompt = echo_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs)
-                logprobs = joined(prompt, logprobs)
-        return s.CompletionChoice(i * n + c.index, echoed + c.text, logprobs, c.finish_reason)
+            logprobs = completion_logprobs(tokenizer, c, data.logprobs, len(text))
+            if first and scores is not None:
+                logprobs = joined(scores, logprobs)
+        text = text + c.text if first else c.text
+        return s.CompletionChoice(i * n + c.index, text, logprobs, c.finish_reason)
 
     if not data.stream:
         finals = await collect(request, run)
