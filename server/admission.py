@@ -115,7 +115,11 @@ def admit(state: ServerState, body: s._Sampling, num_prompts: int) -> None:
 
 
 def sampling_params(
-    state: ServerState, body: s._Sampling, max_tokens: int | None, logprobs: int | None
+    state: ServerState,
+    body: s._Sampling,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for a body; a bad value is a 400 naming its field."""
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
@@ -134,6 +138,7 @@ def sampling_params(
             stop_token_ids=body.stop_token_ids or (),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=body.logit_bias,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,

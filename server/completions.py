@@ -9,6 +9,14 @@
 Each prompt is one engine request (streaming.py). Streamed chunks are the engine's deltas as
 they come; the whole response adds them up. Both build their choices with `_choice`, so the
 chunks of a stream join to the whole response: text, logprobs and text offsets alike.
+
+`echo` puts the prompt before each choice's text (in a stream, in the choice's first chunk).
+With `logprobs: N` too, the prompt's tokens lead the choice's logprobs: the engine computes
+the prompt's logprobs (SamplingParams.prompt_logprobs = N, as vLLM does for echo), the first
+token's are null. `max_tokens: 0` with echo scores the prompt and generates nothing (what
+lm-evaluation-harness's loglikelihood requests ask); without echo it is a 400, as in vLLM.
+A stream holds a prompt's deltas back until its prompt logprobs have come (with the first
+sample's first token), so each choice's first chunk carries its whole echo.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from ksana_jax.outputs import CompletionOutput, RequestOutput
 from server import schemas as s
 from server.admission import admit, require_api_key, sampling_params, state_of
 from server.errors import APIError
-from server.logprobs import completion_logprobs
+from server.logprobs import completion_logprobs, echo_logprobs, joined
 from server.streaming import ChoiceProgress, Prompt, Run, collect, event_stream
 
 
@@ -51,51 +59,83 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Any:
     state = state_of(request)
     prompts = _completion_prompts(data.prompt)
     admit(state, data, len(prompts))
-    if data.echo and data.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
-    params = sampling_params(state, data, data.max_tokens, data.logprobs)
+    score_only = data.max_tokens == 0
+    if score_only and not data.echo:
+        raise APIError(
+            400,
+            "max_tokens must be at least 1, got 0 (0 is allowed with echo: the prompt is "
+            "scored and nothing is generated)",
+            "max_tokens",
+        )
+    echo_scores = data.echo and data.logprobs is not None
+    params = sampling_params(
+        state,
+        data,
+        1 if score_only else data.max_tokens,
+        data.logprobs,
+        prompt_logprobs=data.logprobs if echo_scores else None,
+    )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     request.state.request_id = request_id
-    run = await Run.start(state, request_id, prompts, params)
+    run = await Run.start(state, request_id, prompts, params, score_only=score_only)
     tokenizer = state.engine.tokenizer
     n, created = params.n, int(time.time())
 
-    def echo(i: int, out: RequestOutput) -> str:
-        if not data.echo:
-            return ""
-        text = prompts[i]
-        return text if isinstance(text, str) else tokenizer.decode(out.prompt_token_ids)
+    echoes: dict[int, tuple[str, s.CompletionLogprobs | None]] = {}
 
-    def choice(i: int, out: RequestOutput, c: CompletionOutput, text: str) -> s.CompletionChoice:
-        """`c`'s tokens (a delta or all of them) as choice `text`."""
+    def echo(i: int, out: RequestOutput) -> tuple[str, s.CompletionLogprobs | None]:
+        """Prompt i's echo: its text and, with logprobs, its tokens' (made once, for all n
+        choices; `out` carries the prompt logprobs when they are asked for)."""
+        if i not in echoes:
+            text = prompts[i]
+            if not isinstance(text, str):
+                text = tokenizer.decode(out.prompt_token_ids)
+            scores = None
+            if echo_scores:
+                scores = echo_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs)
+            echoes[i] = text, scores
+        return echoes[i]
+
+    def choice(i: int, out: RequestOutput, c: CompletionOutput, first: bool) -> s.CompletionChoice:
+        """`c`'s tokens (a delta or all of them) as a choice; the echo leads its first."""
+        text, scores = echo(i, out) if data.echo else ("", None)
         logprobs = None
         if data.logprobs is not None:
-            logprobs = completion_logprobs(tokenizer, c, data.logprobs, len(echo(i, out)))
+            logprobs = completion_logprobs(tokenizer, c, data.logprobs, len(text))
+            if first and scores is not None:
+                logprobs = joined(scores, logprobs)
+        text = text + c.text if first else c.text
         return s.CompletionChoice(i * n + c.index, text, logprobs, c.finish_reason)
 
     if not data.stream:
         finals = await collect(request, run)
-        choices = [
-            choice(i, out, c, echo(i, out) + c.text)
-            for i, out in enumerate(finals)
-            for c in out.outputs
-        ]
+        choices = [choice(i, out, c, True) for i, out in enumerate(finals) for c in out.outputs]
         return s.CompletionResponse(request_id, created, state.model_name, choices, run.usage())
 
     progress = ChoiceProgress()
+    held: dict[int, RequestOutput] = {}  # prompt -> its deltas until its prompt logprobs come
+    scored: set[int] = set()  # prompts whose prompt logprobs have come
 
     def chunks(i: int, delta: RequestOutput) -> list[s.CompletionResponse]:
+        if echo_scores and i not in scored:
+            if i in held:
+                held[i].add(delta)
+            else:
+                held[i] = delta.copy()
+            if held[i].prompt_logprobs is None:
+                return []
+            delta = held.pop(i)
+            scored.add(i)
         result = []
         for c in delta.outputs:
             moved = progress.advance((i, c.index), c)
             if moved is None:
                 continue
             first, finished = moved
-            text = echo(i, delta) + c.text if first else c.text
-            if text or c.token_ids or finished:
+            if (first and data.echo) or c.text or c.token_ids or finished:
                 result.append(
                     s.CompletionResponse(
-                        request_id, created, state.model_name, [choice(i, delta, c, text)]
+                        request_id, created, state.model_name, [choice(i, delta, c, first)]
                     )
                 )
         return result

@@ -97,7 +97,7 @@ UNSUPPORTED_FIELDS = (
 class CompletionRequest(_Sampling, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     prompt: str | list[str | int | list[int]]
-    max_tokens: PositiveInt | None = 16
+    max_tokens: NonNegInt | None = 16  # 0 only with echo: the prompt scored, nothing generated
     logprobs: NonNegInt | None = None
     echo: bool | None = False
 

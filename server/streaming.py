@@ -11,6 +11,11 @@ a second detokenisation here. A client that goes away -- mid-stream, before a st
 first read, or while waiting for a whole response -- has its requests aborted, which frees
 their KV pages and their slots in `ServerState.pending`. Tokenizing and the engine's
 request checks run off the event loop (tokenize_pool.py).
+
+A score-only run (a completion's `max_tokens: 0` with `echo`) is run as vLLM runs it: one
+token is sampled (the prompt's logprobs come with a request's first token) and dropped here,
+so every consumer -- chunks, whole responses, usage -- sees choices that generated nothing
+and ended at "length".
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class Run:
 
     state: ServerState
     n: int
+    score_only: bool = False  # the sampled token is dropped (max_tokens 0, run as 1)
     streams: list[AsyncIterator[RequestOutput]] = dataclasses.field(default_factory=list)
     request_ids: list[str] = dataclasses.field(default_factory=list)
     closed: bool = False
@@ -53,10 +59,15 @@ class Run:
 
     @classmethod
     async def start(
-        cls, state: ServerState, request_id: str, prompts: Sequence[Prompt], params: SamplingParams
+        cls,
+        state: ServerState,
+        request_id: str,
+        prompts: Sequence[Prompt],
+        params: SamplingParams,
+        score_only: bool = False,
     ) -> Run:
         """Queues one engine request per prompt (all or none: a bad one aborts the others)."""
-        run = cls(state, params.n)
+        run = cls(state, params.n, score_only)
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
@@ -116,6 +127,8 @@ class Run:
                 elif isinstance(item, Exception):
                     raise item
                 else:
+                    if self.score_only:
+                        item = _nothing_generated(item)
                     self._count(i, item)
                     yield i, item
         finally:
@@ -148,6 +161,23 @@ class Run:
         longest = max(self.num_output_tokens[i])
         if longest > 1:
             metrics.time_per_output_token.observe((now - first) / (longest - 1))
+
+
+def _nothing_generated(delta: RequestOutput) -> RequestOutput:
+    """A score-only request's delta without its sampled token; a finished choice ends at
+    "length" (it generated as many tokens as it was allowed: none)."""
+    outputs = [
+        CompletionOutput(
+            c.index,
+            "",
+            [],
+            None if c.logprobs is None else [],
+            "length" if c.finish_reason not in (None, "abort") else c.finish_reason,
+            text_offsets=[],
+        )
+        for c in delta.outputs
+    ]
+    return dataclasses.replace(delta, outputs=outputs)
 
 
 async def _add_request(
