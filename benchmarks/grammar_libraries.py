@@ -34,7 +34,12 @@ SCHEMAS = {
             "type": "object",
             "properties": {
                 "city": {"type": "string", "maxLength": 20},
-                "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 4},
+                "tags": {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "minItems": 1,
+                    "maxItems": 4,
+                },
                 "kind": {"enum": ["town", "city", "village"]},
                 "where": {
                     "type": "object",
@@ -44,14 +49,21 @@ SCHEMAS = {
             },
             "required": ["city", "tags", "kind", "where"],
         },
-        {"city": "Paris", "tags": ["old", "big"], "kind": "city", "where": {"lat": 48.8, "lon": 2.3}},
+        {
+            "city": "Paris",
+            "tags": ["old", "big"],
+            "kind": "city",
+            "where": {"lat": 48.8, "lon": 2.3},
+        },
     ),
     "anyOf+nullable+pattern": (
         {
             "type": "object",
             "properties": {
                 "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-                "score": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 100}, {"type": "null"}]},
+                "score": {
+                    "anyOf": [{"type": "integer", "minimum": 0, "maximum": 100}, {"type": "null"}]
+                },
                 "note": {"type": ["string", "null"]},
             },
             "required": ["id", "score", "note"],
@@ -120,7 +132,7 @@ def measure(name: str, make, tokenizer: Tokenizer, vocab: int) -> dict[str, tupl
         t = time.perf_counter()
         grammar = compile_(schema)
         compile_ms = 1e3 * (time.perf_counter() - t)
-        fill, consume, done = matcher(grammar)
+        fill, consume, _ = matcher(grammar)
         mask = np.zeros(-(-vocab // 32), np.int32)
         times = []
         tokens = [*tokenizer.encode(json.dumps(answer), add_special_tokens=False)]
@@ -136,13 +148,14 @@ def measure(name: str, make, tokenizer: Tokenizer, vocab: int) -> dict[str, tupl
 
 def main(checkpoint: str) -> None:
     tokenizer = Tokenizer.from_dir(checkpoint)
-    vocab = json.load(open(f"{checkpoint}/config.json"))["vocab_size"]
+    with open(f"{checkpoint}/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
     results = {"llguidance": measure("llguidance", _llguidance, tokenizer, vocab)}
     try:
         results["xgrammar"] = measure("xgrammar", _xgrammar, tokenizer, vocab)
     except ImportError:
         print("xgrammar not installed: skipped", file=sys.stderr)
-    print("| schema | library | compile ms | first fill us | median fill us/token | vs llguidance |")
+    print("| schema | library | compile ms | first fill us | median fill us | vs llguidance |")
     print("|---|---|---|---|---|---|")
     for key in SCHEMAS:
         base = results["llguidance"][key][2]
