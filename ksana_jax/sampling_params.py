@@ -39,11 +39,13 @@ class StructuredOutputsParams:
         if isinstance(self.json, dict):
             object.__setattr__(self, "json", _json.dumps(self.json))
         if self.choice is not None:
-            if isinstance(self.choice, str) or not all(
-                isinstance(c, str) and c for c in self.choice
+            if (
+                isinstance(self.choice, str)
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
             ):
                 raise ValueError(
-                    f"structured_outputs.choice must be a list of non-empty strings, got "
+                    f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
                     f"{self.choice!r}"
                 )
             object.__setattr__(self, "choice", tuple(self.choice))

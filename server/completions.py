@@ -21,10 +21,11 @@ from litestar import Request, post
 
 from ksana_jax.outputs import CompletionOutput, RequestOutput
 from server import schemas as s
-from server.admission import admit, require_api_key, sampling_params, state_of
+from server.admission import admit, renamed, require_api_key, sampling_params, state_of
 from server.errors import APIError
 from server.logprobs import completion_logprobs
 from server.streaming import ChoiceProgress, Prompt, Run, collect, event_stream
+from server.structured import constraint
 
 
 def _completion_prompts(prompt: str | list) -> list[Prompt]:
@@ -53,10 +54,14 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Any:
     admit(state, data, len(prompts))
     if data.echo and data.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
-    params = sampling_params(state, data, data.max_tokens, data.logprobs)
+    structured, sent_as = constraint(data.response_format, data.structured_outputs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     request.state.request_id = request_id
-    run = await Run.start(state, request_id, prompts, params)
+    try:
+        params = sampling_params(state, data, data.max_tokens, data.logprobs, structured)
+        run = await Run.start(state, request_id, prompts, params)
+    except APIError as e:
+        raise renamed(e, sent_as) from None
     tokenizer = state.engine.tokenizer
     n, created = params.n, int(time.time())
 

@@ -185,7 +185,8 @@ def test_invalid_constraint_is_a_value_error_naming_the_field(byte_model, spec, 
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"json": "{}", "regex": "a"}, {"choice": "ab"}, {"choice": ["a", ""]}]
+    "kw",
+    [{}, {"json": "{}", "regex": "a"}, {"choice": "ab"}, {"choice": ["a", ""]}, {"choice": []}],
 )
 def test_structured_outputs_params_checks(kw):
     with pytest.raises(ValueError, match=r"^structured_outputs"):
