@@ -1,6 +1,7 @@
 """ksana-jax: LLM inference and serving on JAX/XLA.
 
-Public API: `LLM` and `SamplingParams` (offline generation with continuous batching),
+Public API: `LLM` and `SamplingParams` (offline generation with continuous batching;
+`StructuredOutputsParams` constrains an output),
 `EngineConfig`, `load` (checkpoint directory, HF directory or GGUF -> Model), `ModelConfig`,
 `Tokenizer`, and `generate` (single request, no scheduler).
 """
@@ -10,7 +11,7 @@ from ksana_jax.generate import generate
 from ksana_jax.llm import LLM
 from ksana_jax.model import Model, load
 from ksana_jax.outputs import CompletionOutput, RequestOutput
-from ksana_jax.sampling_params import SamplingParams
+from ksana_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from ksana_jax.tokenizer import Tokenizer
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "ModelConfig",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "Tokenizer",
     "generate",
     "load",

@@ -4,7 +4,8 @@ built from it by diffs.
 Each running request holds a slot (`Request.slot`, given by the scheduler) in [0, R - 1);
 slot R - 1 is the padding sink. The host keeps one numpy row per slot -- sampling
 parameters, seed, the ids banned below min_tokens, the page table -- written when a request
-joins a slot (is admitted or resumed) and, for the page table, when it gains pages. A step
+joins a slot (is admitted or resumed) and, for the page table, when it gains pages. A
+grammar-constrained row's token bitmask is filled each step from its matcher (structured.py). A step
 then gathers its rows with one index per array, so its host work is O(rows joined + pages
 gained + tokens scheduled), whatever max_model_len or the context lengths are.
 
@@ -30,6 +31,7 @@ from ksana_jax.request import Request
 from ksana_jax.sampling import SamplingInputs
 from ksana_jax.scheduler import ScheduledChunk, has_penalty
 from ksana_jax.step_inputs import StepInputs
+from ksana_jax.structured import fill_bitmasks
 
 
 @functools.partial(
@@ -75,12 +77,14 @@ class PersistentBatch:
         eos_ids: Sequence[int],
         max_logit_bias: int = 1,
         num_scored: int = 1,
+        vocab_size: int = 32,
     ):
         self.num_slots = num_slots  # R, the sink included
         self.sink = num_slots - 1
         self.page_size = page_size
         self.eos_ids = tuple(eos_ids)
         self.num_scored = num_scored  # Q
+        self.mask_words = -(-vocab_size // 32)  # W: a token bitmask's int32 words
         self._owner: list[tuple[Request, int] | None] = [None] * num_slots
         self._num_pages = np.zeros(num_slots, np.int64)  # page-table entries written
         self.page_table = np.full((num_slots, max_pages_per_seq), SINK_PAGE, np.int32)
@@ -198,7 +202,20 @@ class PersistentBatch:
             reset_slots,
             *self._scored(chunks, query_starts),
         )
-        return inputs, self._sampling(slots, num_generated), rows
+        return inputs, self._sampling(slots, num_generated, self._bitmasks(chunks, num_seqs)), rows
+
+    def _bitmasks(self, chunks: Sequence[ScheduledChunk], num_seqs: int) -> np.ndarray:
+        """SamplingInputs.token_bitmask: the grammar's allowed tokens for each constrained row
+        that samples, all ones for every other row (so any mix runs the same compiled step)."""
+        masks = np.full((num_seqs, self.mask_words), -1, np.int32)
+        constrained = [
+            (c.request.matcher, i)
+            for i, c in enumerate(chunks)
+            if c.samples and c.request.matcher is not None
+        ]
+        if constrained:
+            fill_bitmasks(constrained, masks)
+        return masks
 
     def _scored(
         self, chunks: Sequence[ScheduledChunk], query_starts: np.ndarray
@@ -217,7 +234,9 @@ class PersistentBatch:
                 done += k
         return token_slots, targets
 
-    def _sampling(self, slots: np.ndarray, num_generated: np.ndarray) -> SamplingInputs:
+    def _sampling(
+        self, slots: np.ndarray, num_generated: np.ndarray, token_bitmask: np.ndarray
+    ) -> SamplingInputs:
         """The step's rows of the per-slot sampling parameters."""
         suppressed = self.suppressed[slots]
         suppressed[num_generated >= self.min_tokens[slots]] = -1
@@ -237,6 +256,7 @@ class PersistentBatch:
             slots=slots,
             bias_ids=self.bias_ids[slots],
             bias_values=self.bias_values[slots],
+            token_bitmask=token_bitmask,
         )
 
     def padding(

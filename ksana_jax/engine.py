@@ -49,6 +49,7 @@ from ksana_jax.sampling import SampledTokens, ScoredLogprobs
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.scheduler import Scheduler, SchedulerOutput
 from ksana_jax.step_metrics import StepTimer
+from ksana_jax.structured import GrammarCompiler
 from ksana_jax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("ksana_jax.engine")
@@ -75,6 +76,7 @@ class _Dispatched(NamedTuple):
     scheduled: SchedulerOutput
     in_flight: InFlight
     dispatched: float
+    constrained: bool  # some row samples under a grammar (see step)
 
 
 @dataclasses.dataclass
@@ -122,6 +124,9 @@ class LLMEngine:
         self._in_flight: _Dispatched | None = None  # async scheduling: fetched next step
         self.timer = StepTimer()
         self._token_texts: dict[int, str] = {}  # token id -> decoded_token of prompt logprobs
+        self.grammars = GrammarCompiler(
+            self.tokenizer, model.config.vocab_size, model.eos_token_ids
+        )
 
     def warm_up(self, progress: bool = True) -> int:
         return self.runner.warm_up(progress)
@@ -193,6 +198,7 @@ class LLMEngine:
                 f"EOS ids are supported, got {len(params.stop_token_ids)} stop ids"
             )
         params = dataclasses.replace(params, max_tokens=max_tokens)
+        spec = params.structured_outputs
         samples = [
             Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
@@ -202,6 +208,8 @@ class LLMEngine:
                 parent_id=request_id,
                 index=i,
                 priority=priority,
+                # compiled here, off the event loop (cached per spec); ValueError if invalid
+                matcher=self.grammars.matcher(spec) if spec is not None else None,
             )
             for i in range(params.n)
         ]
@@ -260,21 +268,34 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update -> emit. With async scheduling a step's results are
-        fetched by the next call, once it has dispatched the step after it."""
+        fetched by the next call, once it has dispatched the step after it -- except a step
+        with grammar-constrained rows: the next step's token masks need its tokens, so it is
+        finished before the next is scheduled (that step runs synchronously; computing masks
+        after the fetch instead would put the matcher's work on the critical path anyway)."""
         begin = time.perf_counter()
+        outputs = []
+        if self._in_flight is not None and self._in_flight.constrained:
+            outputs = self._complete(self._in_flight, begin)
+            self._in_flight = None
         scheduled = self.scheduler.schedule()
         self._count(scheduled)
         running = None
         if scheduled.chunks:
             in_flight = self.runner.dispatch(scheduled.chunks)
-            running = _Dispatched(scheduled, in_flight, time.perf_counter())
+            constrained = any(c.samples and c.request.matcher for c in scheduled.chunks)
+            running = _Dispatched(scheduled, in_flight, time.perf_counter(), constrained)
         if self.config.async_scheduling:
             done, self._in_flight = self._in_flight, running
         else:
             done = running
-        if done is None:
+        if done is not None:
+            outputs += self._complete(done, begin)
+        elif not outputs:
             self.timer.pause()
-            return []
+        return outputs
+
+    def _complete(self, done: _Dispatched, begin: float) -> list[RequestOutput]:
+        """Waits for a dispatched step, applies its tokens and emits its outputs."""
         fetch_begin = time.perf_counter()
         was_ready = done.in_flight.out[0].token_ids.is_ready()
         sampled, scored = self.runner.fetch(done.in_flight)
@@ -375,7 +396,7 @@ class LLMEngine:
             entry[token] = float(sampled.logprobs[row])
             request.output_logprobs.append(entry)
         request.text_offsets.append(len(detok.text))
-        if request.finish_reason == "stop":  # a stop token id or EOS: not part of the text
+        if request.stopped_on_token:  # a stop token id or EOS: not part of the text
             return
         delta = detok.add(token)
         request.text += delta

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from ksana_jax.sampling_params import SamplingParams
 
@@ -43,6 +44,10 @@ class Request:
     cache_salt: str = ""
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stopped_on_token: bool = False  # ended by a stop token id or EOS (not part of the text)
+    # structured output: the grammar's position (structured.GrammarMatcher), advanced by the
+    # scheduler with each sampled token; None when unconstrained
+    matcher: Any = None
     text: str = ""  # detokenized output (host postprocessing fills it)
     text_offsets: list[int] = field(default_factory=list)  # per output token, in `text`
     # What the engine's outputs have carried so far (it emits deltas).

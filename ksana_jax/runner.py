@@ -254,6 +254,7 @@ class ModelRunner:
             model.eos_token_ids,
             MAX_LOGIT_BIAS,
             config.max_num_scored_tokens,
+            model.config.vocab_size,
         )
         self.state = self.plan.put_replicated(BatchState.zeros(num_slots, model.config.vocab_size))
         # The cpu and xla backends loop over each sequence's own context, so the page

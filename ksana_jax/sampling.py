@@ -1,5 +1,6 @@
-"""On-device sampling inside the jitted step: logit bias, penalties, temperature,
-top-k/top-p/min-p, per-request seeds, top-N logprobs, and prompt logprobs.
+"""On-device sampling inside the jitted step: logit bias, penalties, token bitmasks
+(structured output), temperature, top-k/top-p/min-p, per-request seeds, top-N logprobs, and
+prompt logprobs.
 
 Penalties read per-row token counts (`PenaltyCounts`: which tokens the prompt holds, how
 often each was generated), kept on device in the persistent batch (runner.BatchState) and
@@ -48,6 +49,7 @@ import jax.numpy as jnp
         "num_logprobs",
         "bias_ids",
         "bias_values",
+        "token_bitmask",
     ],
     meta_fields=[],
 )
@@ -69,6 +71,8 @@ class SamplingInputs:
     num_logprobs: jax.Array  # i32[S]  top-N logprobs wanted (0..max); -1 = no logprobs at all
     bias_ids: jax.Array  # i32[S, B]  logit_bias token ids, padded with -1
     bias_values: jax.Array  # f32[S, B]  their biases (0 for padding)
+    token_bitmask: jax.Array  # i32[S, W]  W = ceil(V / 32): bit t % 32 of word t // 32 set =
+    #                                       token t allowed (structured output); all ones = any
 
 
 @functools.partial(
@@ -178,6 +182,22 @@ def apply_logit_bias(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     return logits.at[rows, ids].add(s.bias_values, mode="drop")
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Logits f32[S, V] with the tokens bitmask i32[S, W] disallows set to -inf."""
+    vocab = logits.shape[1]
+    bits = jnp.arange(32, dtype=jnp.uint32)
+    words = jax.lax.bitcast_convert_type(bitmask, jnp.uint32)
+    allowed = ((words[:, :, None] >> bits) & 1).reshape(bitmask.shape[0], -1)[:, :vocab]
+    return jnp.where(allowed != 0, logits, -jnp.inf)
+
+
+def _with_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """apply_token_bitmask, skipped when every row allows every token (no constraint)."""
+    return jax.lax.cond(
+        jnp.all(bitmask == -1), lambda x, _: x, apply_token_bitmask, logits, bitmask
+    )
+
+
 def _with_penalties(logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts) -> jax.Array:
     """apply_penalties, skipped when no row has a penalty (its [S, V] gathers are the cost)."""
     return jax.lax.cond(
@@ -214,6 +234,7 @@ def sample(
     rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], s.suppressed_ids.shape)
     banned = jnp.where(s.suppressed_ids >= 0, s.suppressed_ids, logits.shape[1])
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    logits = _with_bitmask(logits, s.token_bitmask)
     greedy = s.temperature == 0.0
     vocab = logits.shape[1]
 

@@ -8,9 +8,60 @@ ignored.
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 MAX_LOGIT_BIAS = 128  # logit_bias entries per request: a fixed-shape row of the step's inputs
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's StructuredOutputsParams): a JSON schema
+    (dict or JSON text), a regular expression the whole output matches, one of `choice`'s
+    strings, a grammar (Lark, or EBNF/GBNF as llama.cpp writes it), or any JSON object."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}, got "
+                f"{given or 'none'}"
+            )
+        # as text: equal schemas share one compile (key order kept: it is the output order)
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", _json.dumps(self.json))
+        if self.choice is not None:
+            if (
+                isinstance(self.choice, str)
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise ValueError(
+                    f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
+                    f"{self.choice!r}"
+                )
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, Any]:
+        """Identifies the compiled grammar (the compile cache's key)."""
+        return self.kind, getattr(self, self.kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +90,8 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # constrain the output to a JSON schema, regex, choice or grammar (ksana_jax/structured.py)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

@@ -45,12 +45,15 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import logging
 from collections.abc import Sequence
 
 from ksana_jax.page_manager import PageManager
 from ksana_jax.prefix_cache import page_hash, root_hash
 from ksana_jax.request import Request, RequestStatus
 from ksana_jax.sampling_params import SamplingParams
+
+log = logging.getLogger("ksana_jax.scheduler")
 
 
 def scores_prompt(request: Request) -> bool:
@@ -175,6 +178,9 @@ class Scheduler:
                 token in params.stop_token_ids
                 or (token in self.eos_token_ids and not params.ignore_eos)
             ):
+                request.stopped_on_token = True
+                self.finish(request, "stop")
+            elif request.matcher is not None and _grammar_ends(request, token):
                 self.finish(request, "stop")
             elif num_out >= params.max_tokens:
                 self.finish(request, "length")
@@ -320,6 +326,21 @@ class Scheduler:
                 page_hash(parent, token_ids[i * self.page_size : (i + 1) * self.page_size])
             )
             self.cache.insert(request.page_ids[i], hashes[-1])
+
+
+def _grammar_ends(request: Request, token: int) -> bool:
+    """Advances the request's grammar by its new token: True once the grammar has ended
+    (nothing may follow). The step's mask allowed only the grammar's tokens, so a refused
+    one is a bug: logged, and the request ends there."""
+    if not request.matcher.accept(token):
+        log.error(
+            "request %s: token %d refused by its grammar: %s",
+            request.request_id,
+            token,
+            request.matcher.error,
+        )
+        return True
+    return request.matcher.is_terminated
 
 
 def _fit_scored(request: Request, n: int, scored_budget: int) -> int:

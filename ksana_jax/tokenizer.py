@@ -115,6 +115,10 @@ class Tokenizer:
             return self._backend.get_piece_size()
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str | None:
+        """The HF `tokenizers` definition (tokenizer.json's text); None for sentencepiece."""
+        return None if self._is_spm else self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         if self._is_spm:
             token_id = self._backend.piece_to_id(token)

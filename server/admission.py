@@ -24,7 +24,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 
 from ksana_jax.async_engine import AsyncEngine
-from ksana_jax.sampling_params import SamplingParams
+from ksana_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from server import schemas as s
 from server.errors import APIError, clip
 from server.limits import RequestLimits, check_body, check_stop
@@ -120,6 +120,7 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for a body; a bad value is a 400 naming its field."""
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
@@ -142,6 +143,7 @@ def sampling_params(
             logit_bias=body.logit_bias,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
         )
     except ValueError as e:
         raise bad_request(e) from None
@@ -154,7 +156,8 @@ def bad_request(e: ValueError, default_param: str | None = None) -> APIError:
     """A ValueError from SamplingParams or the engine, whose message starts with the field."""
     message = str(e)
     first = message.split(" ", 1)[0].strip("(,:")
-    param = first if first in _ENGINE_PARAMS or first in s._Sampling.__struct_fields__ else None
+    root = first.split(".", 1)[0]  # structured_outputs.json: the constraint's field
+    param = first if root in _ENGINE_PARAMS or root in s._Sampling.__struct_fields__ else None
     return APIError(400, message, param=param or default_param)
 
 

@@ -33,6 +33,7 @@ from server.admission import (
 from server.errors import APIError
 from server.logprobs import chat_logprobs
 from server.streaming import ChoiceProgress, Run, collect, event_stream
+from server.structured import constraint
 
 
 async def _chat_prompt(state: ServerState, data: s.ChatCompletionRequest) -> list[int]:
@@ -74,8 +75,16 @@ async def create_chat_completion(request: Request, data: s.ChatCompletionRequest
         sent_as["max_tokens"] = "max_completion_tokens"
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     request.state.request_id = request_id
+    structured, names = constraint(data.response_format, data.structured_outputs)
+    sent_as |= names
     try:
-        params = sampling_params(state, data, max_tokens, n_top if data.logprobs else None)
+        params = sampling_params(
+            state,
+            data,
+            max_tokens,
+            n_top if data.logprobs else None,
+            structured_outputs=structured,
+        )
         run = await Run.start(state, request_id, [await _chat_prompt(state, data)], params)
     except APIError as e:
         raise renamed(e, sent_as) from None

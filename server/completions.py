@@ -29,10 +29,11 @@ from litestar import Request, post
 
 from ksana_jax.outputs import CompletionOutput, RequestOutput
 from server import schemas as s
-from server.admission import admit, require_api_key, sampling_params, state_of
+from server.admission import admit, renamed, require_api_key, sampling_params, state_of
 from server.errors import APIError
 from server.logprobs import completion_logprobs, echo_logprobs, joined
 from server.streaming import ChoiceProgress, Prompt, Run, collect, event_stream
+from server.structured import constraint
 
 
 def _completion_prompts(prompt: str | list) -> list[Prompt]:
@@ -68,16 +69,21 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Any:
             "max_tokens",
         )
     echo_scores = data.echo and data.logprobs is not None
-    params = sampling_params(
-        state,
-        data,
-        1 if score_only else data.max_tokens,
-        data.logprobs,
-        prompt_logprobs=data.logprobs if echo_scores else None,
-    )
+    structured, sent_as = constraint(data.response_format, data.structured_outputs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     request.state.request_id = request_id
-    run = await Run.start(state, request_id, prompts, params, score_only=score_only)
+    try:
+        params = sampling_params(
+            state,
+            data,
+            1 if score_only else data.max_tokens,
+            data.logprobs,
+            prompt_logprobs=data.logprobs if echo_scores else None,
+            structured_outputs=structured,
+        )
+        run = await Run.start(state, request_id, prompts, params, score_only=score_only)
+    except APIError as e:
+        raise renamed(e, sent_as) from None
     tokenizer = state.engine.tokenizer
     n, created = params.n, int(time.time())
 

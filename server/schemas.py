@@ -1,7 +1,7 @@
 """OpenAI wire formats as msgspec Structs (field names are OpenAI's, plus vLLM's extensions).
 
 Requests are decoded strictly: an unknown field is a 400 naming it, and the fields OpenAI
-defines but ksana-jax does not implement (`best_of`, `tools`, `response_format`, ...) are
+defines but ksana-jax does not implement (`best_of`, `suffix`, `functions`, ...) are
 declared only so that a request using them gets a 400 saying so instead of being silently
 served without them. Ranges that are fixed live here as `Meta` constraints (they show in
 the OpenAPI schema); ranges that depend on the engine (`logprobs` <= max_logprobs, prompt +
@@ -69,11 +69,14 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[NonNegInt] | None = None
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    # {json | regex | choice | grammar | json_object} (server/structured.py)
+    structured_outputs: dict[str, Any] | None = None
+    # {"type": "text" | "json_object" | "json_schema", ...} (server/structured.py)
+    response_format: dict[str, Any] | None = None
     # OpenAI fields the engine does not implement: a request that sets one gets a 400.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     suffix: str | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -86,7 +89,6 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 UNSUPPORTED_FIELDS = (
     "best_of",
     "suffix",
-    "response_format",
     "tools",
     "tool_choice",
     "functions",

@@ -125,6 +125,7 @@ def make_inputs(num_seqs: int, history=None, suppressed=None, vocab=V, bias=None
         slots=jnp.arange(num_seqs, dtype=jnp.int32),
         bias_ids=jnp.asarray(bias_ids),
         bias_values=jnp.asarray(bias_values),
+        token_bitmask=jnp.full((num_seqs, -(-vocab // 32)), -1, jnp.int32),
         **arrays,
     )
     return Rows(s, counts_from_history(history, arrays["num_prompt_tokens"], vocab))

@@ -112,8 +112,8 @@ def test_nesting_within_the_limit_is_judged_on_its_content(http):
         http, "/v1/completions", OK | {"response_format": json.loads(nested("object", 60))}
     )
     assert response.status_code == 400
-    assert response.json()["error"]["param"] == "response_format"
-    assert "not supported" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "response_format.type"
+    assert "response_format.type must be" in response.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------------- strict types
