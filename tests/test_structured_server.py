@@ -7,8 +7,11 @@ field; nothing compiles after warm-up; offline `LLM` gives the server's greedy a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
+import subprocess
+import sys
 
 import jsonschema
 import openai
@@ -16,7 +19,7 @@ import pydantic
 import pytest
 
 from ksana_jax import LLM, SamplingParams, StructuredOutputsParams
-from tests.test_server import metric, start_server, stop_server
+from tests.test_server import ROOT, jax_cache_dir, metric, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 FLAGS = {"max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 128}
@@ -138,38 +141,51 @@ def test_pydantic_parse(client):
 
 def test_regex_choice_and_json_object(client):
     phone = r"\(\d{3}\) \d{3}-\d{4}"
-    for n, temperature in ((1, 0), (2, 0.8)):
-        regex = client.completions.create(
+
+    def regex(**sampling):
+        return client.completions.create(
             model="smol",
             prompt="My phone number is ",
             max_tokens=30,
-            temperature=temperature,
-            n=n,
             extra_body={"structured_outputs": {"regex": phone}},
+            **sampling,
         )
-        choice = client.chat.completions.create(
+
+    def choice(**sampling):
+        return client.chat.completions.create(
             model="smol",
             messages=[{"role": "user", "content": "Is Paris in France?"}],
             max_tokens=10,
-            temperature=temperature,
-            n=n,
             extra_body={"structured_outputs": {"choice": ["Yes", "No"]}},
+            **sampling,
         )
-        obj = client.chat.completions.create(
+
+    def json_object(**sampling):
+        return client.chat.completions.create(
             model="smol",
             messages=[
                 {"role": "user", "content": "A JSON object with a cat's name and colour, short."}
             ],
             max_tokens=250,
-            temperature=temperature,
-            n=n,
             response_format={"type": "json_object"},
+            **sampling,
         )
-        for c in regex.choices:
+
+    # All six at once: they batch in the engine.
+    samplings = (dict(n=1, temperature=0), dict(n=2, temperature=0.8, seed=3))
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        jobs = {
+            (ask.__name__, i): pool.submit(ask, **sampling)
+            for ask in (regex, choice, json_object)
+            for i, sampling in enumerate(samplings)
+        }
+        answers = {key: job.result() for key, job in jobs.items()}
+    for i in range(len(samplings)):
+        for c in answers["regex", i].choices:
             assert re.fullmatch(phone, c.text) and c.finish_reason == "stop", c
-        for c in choice.choices:
+        for c in answers["choice", i].choices:
             assert c.message.content in ("Yes", "No") and c.finish_reason == "stop", c
-        for c in obj.choices:
+        for c in answers["json_object", i].choices:
             assert c.finish_reason == "stop", c
             assert isinstance(json.loads(c.message.content), dict), c
 
@@ -196,33 +212,53 @@ def test_bad_constraints_are_400_naming_the_field(client, body, param):
     assert e.value.body["param"] == param, e.value.body
 
 
+OFFLINE_REGEX = ("The year it happened was ", "1[89][0-9]{2}")
+
+
+def offline_answers(model_dir: str, jax_cache: str) -> None:
+    """Prints the offline `LLM`'s greedy answers to the requests of
+    test_offline_llm_equals_the_server (run in a fresh process: the server's compilation cache
+    makes its start cheap, and the test process keeps no engine)."""
+    prompt, schema = SCHEMAS["nested"]
+    llm = LLM(model_dir, warm_up=False, compilation_cache_dir=jax_cache, **FLAGS)
+    chat_params = SamplingParams(
+        temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    (chat,) = llm.chat([{"role": "user", "content": prompt}], chat_params, use_tqdm=False)
+    regex_params = SamplingParams(
+        temperature=0,
+        max_tokens=10,
+        structured_outputs=StructuredOutputsParams(regex=OFFLINE_REGEX[1]),
+    )
+    (regex,) = llm.generate(OFFLINE_REGEX[0], regex_params, use_tqdm=False)
+    print(json.dumps([chat.outputs[0].text, regex.outputs[0].text]))
+
+
 def test_offline_llm_equals_the_server(client, smollm2_dir):
     prompt, schema = SCHEMAS["nested"]
-    messages = [{"role": "user", "content": prompt}]
     served_chat = client.chat.completions.create(
         model="smol",
-        messages=messages,
+        messages=[{"role": "user", "content": prompt}],
         response_format=_json_schema("nested", schema),
         temperature=0,
         max_tokens=200,
     )
     served_regex = client.completions.create(
         model="smol",
-        prompt="The year it happened was ",
+        prompt=OFFLINE_REGEX[0],
         temperature=0,
         max_tokens=10,
-        extra_body={"structured_outputs": {"regex": "1[89][0-9]{2}"}},
+        extra_body={"structured_outputs": {"regex": OFFLINE_REGEX[1]}},
     )
-    llm = LLM(smollm2_dir, warm_up=False, **FLAGS)
-    chat_params = SamplingParams(
-        temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json=schema)
+    code = "import sys, tests.test_structured_server as t; t.offline_answers(*sys.argv[1:])"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(smollm2_dir), jax_cache_dir()],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    (chat,) = llm.chat(messages, chat_params, use_tqdm=False)
-    regex_params = SamplingParams(
-        temperature=0,
-        max_tokens=10,
-        structured_outputs=StructuredOutputsParams(regex="1[89][0-9]{2}"),
-    )
-    (regex,) = llm.generate("The year it happened was ", regex_params, use_tqdm=False)
-    assert chat.outputs[0].text == served_chat.choices[0].message.content
-    assert regex.outputs[0].text == served_regex.choices[0].text
+    assert done.returncode == 0, done.stderr[-4000:]
+    chat, regex = json.loads(done.stdout.strip().splitlines()[-1])
+    assert chat == served_chat.choices[0].message.content
+    assert regex == served_regex.choices[0].text
