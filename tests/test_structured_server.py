@@ -1,8 +1,11 @@
-"""Structured output as clients see it: SmolLM2 behind a real `ksana-jax serve` process,
-driven by the official openai client. Every JSON-schema answer validates (jsonschema) and
-finishes with "stop", greedy and sampled; `beta.chat.completions.parse` fills a pydantic
-model; regex, choice and json_object answers hold; bad constraints are 400s naming the
-field; nothing compiles after warm-up; offline `LLM` gives the server's greedy answers."""
+"""Structured output, tools and reasoning as clients see it: SmolLM2 behind a real
+`ksana-jax serve` process, driven by the official openai client. Every JSON-schema answer
+validates (jsonschema) and finishes with "stop", greedy and sampled; `beta.chat.completions.
+parse` fills a pydantic model; regex, choice and json_object answers hold; forced tool calls
+(named, "required") always have valid arguments, streamed or not; a tool result round-trips;
+"auto" reads Hermes-style calls and --reasoning-parser splits <think>; bad constraints and
+tool choices are 400s naming the field; nothing compiles after warm-up; offline `LLM` gives
+the server's greedy answers."""
 
 from __future__ import annotations
 
@@ -75,7 +78,16 @@ SCHEMAS = {
 @pytest.fixture(scope="module")
 def served(smollm2_dir):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in FLAGS.items()]
-    proc, url = start_server(smollm2_dir, *flags, "--served-model-name", "smol")
+    proc, url = start_server(
+        smollm2_dir,
+        *flags,
+        "--served-model-name",
+        "smol",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+    )
     yield url
     log = stop_server(proc)
     assert "Traceback" not in log, log
@@ -118,6 +130,198 @@ def test_every_schema_answer_validates_greedy_and_sampled(served):
             assert choice.finish_reason == "stop", (name, choice.message.content)
             jsonschema.validate(json.loads(choice.message.content), SCHEMAS[name][1])
     assert metric(served, "ksana_compilations_total") == compiles
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": _object(city=NAME, unit={"enum": ["celsius", "fahrenheit"]}),
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_population",
+            "description": "How many people live in a country",
+            "parameters": _object(
+                country=NAME, year={"type": "integer", "minimum": 1900, "maximum": 2030}
+            ),
+        },
+    },
+]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def _named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+async def _streamed_calls(stream) -> list[tuple[list[dict], str]]:
+    """Per choice: its calls (id, name, arguments joined from the fragments) and finish
+    reason, checking OpenAI's order: a call's first delta has its index, id, type, name and
+    empty arguments; later ones only argument fragments."""
+    calls: dict[int, list[dict]] = {}
+    finish: dict[int, str] = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                mine = calls.setdefault(choice.index, [])
+                if delta.index == len(mine):
+                    assert delta.id.startswith("call_") and delta.type == "function", delta
+                    assert delta.function.name and delta.function.arguments == "", delta
+                    mine.append({"id": delta.id, "name": delta.function.name, "arguments": ""})
+                else:
+                    assert delta.id is None and delta.function.name is None, delta
+                    mine[delta.index]["arguments"] += delta.function.arguments
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    return [(calls.get(i, []), finish[i]) for i in sorted(finish)]
+
+
+def _valid_call(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+
+
+def test_forced_tool_calls_validate_streamed_and_not(served):
+    """Named and "required" tool_choice, greedy and sampled, streamed and not: every call's
+    arguments validate against its function's parameters; nothing compiles."""
+    compiles = metric(served, "ksana_compilations_total")
+    client = openai.AsyncOpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0)
+    choices = {"named": _named("get_weather"), "required": "required"}
+    samplings = {"greedy": dict(temperature=0), "sampled": dict(n=2, temperature=0.8, seed=5)}
+
+    async def ask(choice: str, sampling: str, stream: bool):
+        answer = await client.chat.completions.create(
+            model="smol",
+            messages=WEATHER_QUESTION,
+            tools=TOOLS,
+            tool_choice=choices[choice],
+            max_tokens=60,
+            stream=stream,
+            **samplings[sampling],
+        )
+        if stream:
+            return await _streamed_calls(answer)
+        got = []
+        for c in answer.choices:
+            assert c.message.content is None, c
+            calls = [
+                {"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
+                for t in c.message.tool_calls
+            ]
+            got.append((calls, c.finish_reason))
+        return got
+
+    cases = [(c, s, stream) for c in choices for s in samplings for stream in (False, True)]
+
+    async def everything():
+        return await asyncio.gather(*(ask(*case) for case in cases))
+
+    for (choice, sampling, stream), answers in zip(cases, asyncio.run(everything()), strict=True):
+        assert len(answers) == (1 if sampling == "greedy" else 2)
+        for calls, finish_reason in answers:
+            assert finish_reason == "tool_calls", (choice, sampling, stream, calls)
+            assert calls and all(c["id"].startswith("call_") for c in calls)
+            if choice == "named":
+                assert [c["name"] for c in calls] == ["get_weather"]
+            for call in calls:
+                _valid_call(call["name"], call["arguments"])
+    assert metric(served, "ksana_compilations_total") == compiles
+
+
+def test_tool_result_round_trips_and_auto_reads_hermes_calls(client):
+    """A conversation with the assistant's tool call and the tool's result is answered; under
+    "auto" a Hermes-style call the model writes (forced here by a regex) becomes tool_calls,
+    whole and streamed."""
+    first = client.chat.completions.create(
+        model="smol",
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice=_named("get_weather"),
+        temperature=0,
+        max_tokens=60,
+    )
+    (call,) = first.choices[0].message.tool_calls
+    messages = [
+        *WEATHER_QUESTION,
+        first.choices[0].message,  # sent back as the openai client holds it
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "sunny"}'},
+    ]
+    second = client.chat.completions.create(
+        model="smol", messages=messages, tools=TOOLS, temperature=0, max_tokens=20
+    )
+    assert second.choices[0].message.content
+    assert second.choices[0].finish_reason in ("stop", "length")
+    # The tool's result reached the prompt (the template renders the tool message).
+    without = client.chat.completions.create(
+        model="smol", messages=messages[:2], tools=TOOLS, temperature=0, max_tokens=1
+    )
+    assert second.usage.prompt_tokens > without.usage.prompt_tokens + 10
+
+    hermes = (
+        r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+        r'\{"city": "[A-Z][a-z]{2,12}", "unit": "(celsius|fahrenheit)"\}\}\n</tool_call>'
+    )
+    auto = dict(
+        model="smol",
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice="auto",
+        temperature=0,
+        max_tokens=60,
+        extra_body={"structured_outputs": {"regex": hermes}},
+    )
+    whole = client.chat.completions.create(**auto).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
+    assert whole.message.content == "Checking."
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather"
+    _valid_call(call.function.name, call.function.arguments)
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**auto, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                calls.setdefault(d.index, []).append(d)
+            finish = choice.finish_reason or finish
+    assert content.strip() == "Checking." and finish == "tool_calls"
+    head, *rest = calls[0]
+    assert head.id.startswith("call_") and head.function.name == "get_weather"
+    arguments = "".join(d.function.arguments for d in [head, *rest])
+    assert json.loads(arguments) == json.loads(call.function.arguments)
+
+
+def test_reasoning_content_whole_and_streamed(client):
+    """--reasoning-parser qwen3: <think>...</think> (forced by a regex) is reasoning_content,
+    the rest content; streamed, the reasoning deltas come first."""
+    think = r"<think>[a-z ]{3,40}</think>[A-Z][a-z ]{2,30}\."
+    ask = dict(
+        model="smol",
+        messages=[{"role": "user", "content": "Is the sky blue? Think first."}],
+        temperature=0,
+        max_tokens=60,
+        extra_body={"structured_outputs": {"regex": think}},
+    )
+    whole = client.chat.completions.create(**ask).choices[0]
+    reasoning = whole.message.model_extra["reasoning_content"]
+    assert re.fullmatch(r"[a-z ]{3,40}", reasoning), whole
+    assert re.fullmatch(r"[A-Z][a-z ]{2,30}\.", whole.message.content), whole
+    kinds, streamed = [], {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            for kind in streamed:
+                text = (choice.delta.model_extra or {}).get(kind) or getattr(
+                    choice.delta, kind, None
+                )
+                if text:
+                    streamed[kind] += text
+                    kinds.append(kind)
+    assert streamed == {"reasoning_content": reasoning, "content": whole.message.content}
+    assert kinds == sorted(kinds, key=["reasoning_content", "content"].index)
 
 
 class Capital(pydantic.BaseModel):
@@ -202,6 +406,14 @@ def test_regex_choice_and_json_object(client):
         ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs"),
         ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn"),
+        ({"tools": TOOLS, "tool_choice": _named("get_time")}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
     ],
 )
 def test_bad_constraints_are_400_naming_the_field(client, body, param):
