@@ -73,7 +73,8 @@ async def create_chat_completion(request: Request, data: s.ChatCompletionRequest
     structured, names = constraint(data.response_format, data.structured_outputs)
     answer = Answer.of(data, state.tool_parser, state.reasoning, structured is not None)
     if answer.constraint is not None:
-        structured, names = answer.constraint, {"structured_outputs.json": "tool_choice"}
+        structured = answer.constraint
+        names = {"structured_outputs.json": answer.constraint_field}
     sent_as |= names
     try:
         params = sampling_params(

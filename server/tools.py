@@ -63,6 +63,12 @@ def _check_tools(tools: list[dict[str, Any]]) -> dict[str, dict]:
                 f"{where}.function.parameters must be a JSON schema object",
                 param=f"{where}.function.parameters",
             )
+        if name in found:
+            raise APIError(
+                400,
+                f"{where}.function.name {name!r} is the name of an earlier tool",
+                param=f"{where}.function.name",
+            )
         found[name] = parameters or _ANY_OBJECT
     return found
 
@@ -125,6 +131,7 @@ class Answer:
     parser: ToolParser | None = None  # "auto"
     reasoning: ThinkParser | None = None
     constraint: StructuredOutputsParams | None = None  # "required" / "named"
+    constraint_field: str = "tools"  # what an invalid constraint is named as in a 400
 
     @classmethod
     def of(
@@ -138,9 +145,10 @@ class Answer:
         structured_outputs (which a forced tool call cannot be combined with)."""
         functions = _check_tools(data.tools or [])
         mode, function = _mode(data.tool_choice, functions)
-        constraint = None
+        constraint, field = None, "tools"
         if mode == "named":
             constraint = StructuredOutputsParams(json=functions[function])
+            field = f"tools[{list(functions).index(function)}].function.parameters"
         elif mode == "required":
             parallel = data.parallel_tool_calls is not False
             constraint = StructuredOutputsParams(json=_required_schema(functions, parallel))
@@ -152,7 +160,7 @@ class Answer:
                 param="tool_choice",
             )
         parser = PARSERS[tool_parser]() if mode == "auto" else None
-        return cls(mode, function, parser, reasoning, constraint)
+        return cls(mode, function, parser, reasoning, constraint, field)
 
     def _calls(self, content: str | None) -> tuple[str | None, list[ToolCall]]:
         if self.mode == "none" or content is None:

@@ -156,6 +156,10 @@ PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 def _named(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
 
@@ -410,6 +414,14 @@ def test_regex_choice_and_json_object(client):
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+        ({"tools": [*TOOLS, TOOLS[0]]}, "tools[2].function.name"),
+        (
+            {
+                "tools": [*TOOLS, _tool("unique", {"type": "array", "uniqueItems": True})],
+                "tool_choice": _named("unique"),
+            },
+            "tools[2].function.parameters",
+        ),
         (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
