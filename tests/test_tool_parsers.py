@@ -177,3 +177,96 @@ def test_reasoning_split_whole_and_streamed(name, text, reasoning, content, size
 def test_unknown_reasoning_parser_names_the_option():
     with pytest.raises(ValueError, match="reasoning_parser"):
         ThinkParser("o1")
+
+
+# A Qwen2.5-style template (ChatML, tools listed in the system turn, calls in <tool_call>
+# blocks, results in <tool_response> blocks).
+HERMES_TEMPLATE = """{%- if tools %}
+{{- '<|im_start|>system\\nYou are a helpful assistant.\\n\\n# Tools\\n<tools>' }}
+{%- for tool in tools %}
+{{- '\\n' + tool | tojson }}
+{%- endfor %}
+{{- '\\n</tools><|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls %}
+{%- set tool_call = tool_call.function %}
+{{- '\\n<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
+{{- tool_call.arguments | tojson }}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{{- '<|im_start|>user\\n<tool_response>\\n' + message.content }}
+{{- '\\n</tool_response><|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+
+def test_tools_and_tool_messages_render_as_transformers_renders_them(tmp_path):
+    """The server's rendering of tools, an assistant's tool calls (arguments sent as JSON
+    text) and a tool result equals transformers' apply_chat_template on the same
+    conversation, which takes the arguments as an object."""
+    import msgspec
+    import transformers
+
+    from ksana_jax.tokenizer import Tokenizer
+    from server import schemas as s
+    from server.chat import chat_text
+    from tests.conftest import write_tiny_tokenizer
+
+    write_tiny_tokenizer(tmp_path, chat_template=HERMES_TEMPLATE)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    arguments = {"city": "Paris", "note": "caf\u00e9"}
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": json.dumps(arguments)},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+        ],
+        "tools": tools,
+    }
+    got = chat_text(Tokenizer.from_dir(tmp_path), msgspec.convert(body, s.ChatCompletionRequest))
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [dict(m) for m in body["messages"]]
+    messages[1] = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": arguments},
+            }
+        ],
+    }
+    want = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert got == want
+    assert '"arguments": {"city": "Paris", "note": "caf\u00e9"}' in got
+    assert "<tool_response>" in got and '"name": "get_weather"' in got
+    assert parser_for_template(HERMES_TEMPLATE) == "hermes"
