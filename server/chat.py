@@ -1,10 +1,12 @@
 """POST /v1/chat/completions: messages -> the checkpoint's chat template -> text.
 
-    in:  a ChatCompletionRequest: messages (text content, or text parts joined), sampling
-         fields, n, logprobs/top_logprobs, max_completion_tokens, stream
-    out: a ChatCompletionResponse with n assistant messages, or, streaming, per choice a
-         role chunk, content chunks (the engine's deltas as they come), a finish chunk, the
-         usage chunk if asked for, then `[DONE]`
+    in:  a ChatCompletionRequest: messages (text content, or text parts joined; an
+         assistant's tool_calls, tool results), tools/tool_choice, sampling fields, n,
+         logprobs/top_logprobs, max_completion_tokens, stream
+    out: a ChatCompletionResponse with n assistant messages (content, reasoning_content,
+         tool_calls: server/tools.py), or, streaming, per choice a role chunk, delta chunks
+         (the engine's deltas as they come, split into content, reasoning and tool-call
+         deltas), a finish chunk, the usage chunk if asked for, then `[DONE]`
 
 The template is applied in a worker thread and its text encoded in a worker process
 (tokenize_pool.py), off the event loop. Errors name the fields as the chat client sent them

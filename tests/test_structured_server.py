@@ -240,32 +240,7 @@ def test_forced_tool_calls_validate_streamed_and_not(served):
 def test_tool_result_round_trips_and_auto_reads_hermes_calls(client):
     """A conversation with the assistant's tool call and the tool's result is answered; under
     "auto" a Hermes-style call the model writes (forced here by a regex) becomes tool_calls,
-    whole and streamed."""
-    first = client.chat.completions.create(
-        model="smol",
-        messages=WEATHER_QUESTION,
-        tools=TOOLS,
-        tool_choice=_named("get_weather"),
-        temperature=0,
-        max_tokens=60,
-    )
-    (call,) = first.choices[0].message.tool_calls
-    messages = [
-        *WEATHER_QUESTION,
-        first.choices[0].message,  # sent back as the openai client holds it
-        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "sunny"}'},
-    ]
-    second = client.chat.completions.create(
-        model="smol", messages=messages, tools=TOOLS, temperature=0, max_tokens=20
-    )
-    assert second.choices[0].message.content
-    assert second.choices[0].finish_reason in ("stop", "length")
-    # The tool's result reached the prompt (the template renders the tool message).
-    without = client.chat.completions.create(
-        model="smol", messages=messages[:2], tools=TOOLS, temperature=0, max_tokens=1
-    )
-    assert second.usage.prompt_tokens > without.usage.prompt_tokens + 10
-
+    whole and streamed. (Requests that do not wait for each other are sent at once.)"""
     hermes = (
         r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
         r'\{"city": "[A-Z][a-z]{2,12}", "unit": "(celsius|fahrenheit)"\}\}\n</tool_call>'
@@ -279,19 +254,47 @@ def test_tool_result_round_trips_and_auto_reads_hermes_calls(client):
         max_tokens=60,
         extra_body={"structured_outputs": {"regex": hermes}},
     )
-    whole = client.chat.completions.create(**auto).choices[0]
+
+    def auto_streamed():
+        content, calls, finish = "", {}, None
+        for chunk in client.chat.completions.create(**auto, stream=True):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for d in choice.delta.tool_calls or []:
+                    calls.setdefault(d.index, []).append(d)
+                finish = choice.finish_reason or finish
+        return content, calls, finish
+
+    def chat(messages, **fields):
+        return client.chat.completions.create(
+            model="smol", messages=messages, tools=TOOLS, temperature=0, **fields
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        auto_whole = pool.submit(client.chat.completions.create, **auto)
+        auto_stream = pool.submit(auto_streamed)
+        first = chat(WEATHER_QUESTION, tool_choice=_named("get_weather"), max_tokens=60)
+        (call,) = first.choices[0].message.tool_calls
+        messages = [
+            *WEATHER_QUESTION,
+            first.choices[0].message,  # sent back as the openai client holds it
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+        ]
+        second = pool.submit(chat, messages, max_tokens=20)
+        without = pool.submit(chat, messages[:2], max_tokens=1)
+        second, without = second.result(), without.result()
+        whole = auto_whole.result().choices[0]
+        content, calls, finish = auto_stream.result()
+    assert second.choices[0].message.content
+    assert second.choices[0].finish_reason in ("stop", "length")
+    # The tool's result reached the prompt (the template renders the tool message).
+    assert second.usage.prompt_tokens > without.usage.prompt_tokens + 5
+
     assert whole.finish_reason == "tool_calls", whole
     assert whole.message.content == "Checking."
     (call,) = whole.message.tool_calls
     assert call.function.name == "get_weather"
     _valid_call(call.function.name, call.function.arguments)
-    content, calls, finish = "", {}, None
-    for chunk in client.chat.completions.create(**auto, stream=True):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for d in choice.delta.tool_calls or []:
-                calls.setdefault(d.index, []).append(d)
-            finish = choice.finish_reason or finish
     assert content.strip() == "Checking." and finish == "tool_calls"
     head, *rest = calls[0]
     assert head.id.startswith("call_") and head.function.name == "get_weather"
