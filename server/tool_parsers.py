@@ -12,9 +12,9 @@ Parsers, chosen by `--tool-call-parser` or from the chat template (`parser_for_t
                  <|python_tag|>, several joined by ";" (Llama 3.1 / 3.2 / 3.3)
 
 A malformed call (bad JSON, no name, an unfinished block) leaves the whole text as content,
-as vLLM's parsers do. `tool_choice` "required" and a named function do not parse the model's
-format: their output is constrained to JSON (server/tools.py) and read by `required_calls` /
-as the arguments themselves.
+as vLLM's parsers do; text around well-formed Hermes blocks stays content. `tool_choice`
+"required" and a named function do not parse the model's format: their output is
+constrained to JSON (server/tools.py) and read by `required_calls` / as the arguments.
 
 Streaming (`ToolCallStream`): content streams as it comes until a tool call may start; from
 there the text is held and parsed when the choice finishes, each call sent as OpenAI sends
@@ -76,8 +76,8 @@ class HermesParser:
         head, sep, _ = text.partition(self.start)
         if not sep:
             return text, []
-        calls = []
         rest = text[len(head) :]
+        calls = []
         for match in self._block.finditer(rest):
             try:
                 call = _call(json.loads(match.group(1)), ("arguments", "parameters"))
@@ -86,10 +86,12 @@ class HermesParser:
             if call is None:
                 return text, []
             calls.append(call)
-        # Only blocks (and whitespace between them) after the content.
-        if not calls or self._block.sub("", rest).strip():
+        outside = self._block.sub("", rest)
+        if not calls or self.start in outside:  # a block never closed
             return text, []
-        return head.strip() or None, calls
+        # Text around the blocks stays content (as vLLM keeps the text before them).
+        content = "\n".join(part.strip() for part in (head, outside) if part.strip())
+        return content or None, calls
 
     def hold_from(self, text: str) -> int:
         at = text.find(self.start)
@@ -207,5 +209,7 @@ class ToolCallStream:
         held, self.sent = self.text[self.sent :], len(self.text)
         if not held:
             return StreamDelta()
-        _, calls = self.parser.parse(self.text)
-        return StreamDelta(calls=call_deltas(calls)) if calls else StreamDelta(held)
+        content, calls = self.parser.parse(held)  # what was sent is content before a call
+        if not calls:
+            return StreamDelta(held)
+        return StreamDelta(content or "", call_deltas(calls))
