@@ -93,6 +93,23 @@ def served(smollm2_dir):
     assert "Traceback" not in log, log
 
 
+@pytest.fixture(scope="module", autouse=True)
+def offline(served, smollm2_dir):
+    """The offline `LLM`'s answers (`offline_answers`), computed in a fresh process that
+    starts once the server has filled the compilation cache and runs beside the tests."""
+    code = "import sys, tests.test_structured_server as t; t.offline_answers(*sys.argv[1:])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(smollm2_dir), jax_cache_dir()],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    yield proc
+    proc.kill()
+    proc.communicate()
+
+
 @pytest.fixture(scope="module")
 def client(served):
     return openai.OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0)
@@ -444,8 +461,8 @@ OFFLINE_REGEX = ("The year it happened was ", "1[89][0-9]{2}")
 
 def offline_answers(model_dir: str, jax_cache: str) -> None:
     """Prints the offline `LLM`'s greedy answers to the requests of
-    test_offline_llm_equals_the_server (run in a fresh process: the server's compilation cache
-    makes its start cheap, and the test process keeps no engine)."""
+    test_offline_llm_equals_the_server (run in a fresh process, the `offline` fixture: the
+    server's compilation cache makes its start cheap, and the test process keeps no engine)."""
     prompt, schema = SCHEMAS["nested"]
     llm = LLM(model_dir, warm_up=False, compilation_cache_dir=jax_cache, **FLAGS)
     chat_params = SamplingParams(
@@ -461,7 +478,7 @@ def offline_answers(model_dir: str, jax_cache: str) -> None:
     print(json.dumps([chat.outputs[0].text, regex.outputs[0].text]))
 
 
-def test_offline_llm_equals_the_server(client, smollm2_dir):
+def test_offline_llm_equals_the_server(client, offline):
     prompt, schema = SCHEMAS["nested"]
     served_chat = client.chat.completions.create(
         model="smol",
@@ -477,15 +494,8 @@ def test_offline_llm_equals_the_server(client, smollm2_dir):
         max_tokens=10,
         extra_body={"structured_outputs": {"regex": OFFLINE_REGEX[1]}},
     )
-    code = "import sys, tests.test_structured_server as t; t.offline_answers(*sys.argv[1:])"
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(smollm2_dir), jax_cache_dir()],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    chat, regex = json.loads(done.stdout.strip().splitlines()[-1])
+    stdout, stderr = offline.communicate(timeout=600)
+    assert offline.returncode == 0, stderr[-4000:]
+    chat, regex = json.loads(stdout.strip().splitlines()[-1])
     assert chat == served_chat.choices[0].message.content
     assert regex == served_regex.choices[0].text
