@@ -42,6 +42,8 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)
     cache_salt: str = ""
     num_preemptions: int = 0
+    # Speculative decoding: running fraction of proposals the target accepted (spec_decode.py)
+    spec_acceptance: float = 1.0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str = ""  # detokenized output (host postprocessing fills it)
     text_offsets: list[int] = field(default_factory=list)  # per output token, in `text`
