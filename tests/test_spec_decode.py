@@ -95,10 +95,10 @@ def smollm2_runs(smollm2):
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=40),
     ]
     config = dict(
-        max_model_len=512,
+        max_model_len=256,
         max_num_seqs=8,
         max_num_batched_tokens=32,
-        num_pages=40,
+        num_pages=20,
         page_size=16,
         warm_up=False,
     )
@@ -120,7 +120,7 @@ def test_smollm2_outputs_equal_without_speculation(smollm2_runs):
                 for a, b in zip(w.logprobs, g.logprobs, strict=True):
                     assert a.keys() == b.keys()
                     for t in a:
-                        assert abs(a[t].logprob - b[t].logprob) < 1e-3
+                        assert abs(a[t] - b[t]) < 1e-3
     assert ngram[2].outputs[0].finish_reason == "stop"  # the stop string inside a copy
     assert engine.stats.preemptions > 0
     assert engine.stats.prefix_cache_hits > 0
