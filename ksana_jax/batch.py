@@ -207,9 +207,9 @@ class PersistentBatch:
         used = int(num_drafts.sum()) + n
         assert used <= num_positions, (used, num_positions)
         pos_rows = np.repeat(np.arange(n, dtype=np.int32), num_drafts + 1)
-        offsets = np.arange(used, dtype=np.int32) - (np.cumsum(num_drafts + 1) - num_drafts - 1)[
-            pos_rows
-        ]
+        offsets = (
+            np.arange(used, dtype=np.int32) - (np.cumsum(num_drafts + 1) - num_drafts - 1)[pos_rows]
+        )
         sample_token_slots = np.zeros(num_positions, np.int32)
         sample_token_slots[:used] = ends[pos_rows] - 1 - num_drafts[pos_rows] + offsets
         sample_rows = np.full(num_positions, num_seqs, np.int32)

@@ -436,7 +436,7 @@ class EngineConfig:
         "prepare and dispatch the next step before fetching this one's tokens (same outputs; "
         "off by default until measured on an accelerator: on CPU host and device share cores)",
     )
-    speculative_config: dict[str, Any] | None = _field(
+    speculative_config: dict[str, Any] | None = _field(  # noqa: RUF009 (a default of None)
         None,
         'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (see docs/speculative.md)',

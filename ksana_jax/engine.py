@@ -10,6 +10,10 @@ is dispatched, so the host's work overlaps the device's; the next step's decode 
 their tokens on device. A request that finished may then have computed one more token: the
 scheduler discards it, so outputs are the same either way.
 
+With speculative decoding (spec_decode.py) a step may add several tokens to a request; a
+stop string inside them ends the request there and drops the tokens after it. While
+speculation may propose, steps are not overlapped (proposals need the last tokens).
+
 Requests come in as text or token ids with SamplingParams; a request with n > 1 runs as n
 samples sharing one request id (with the prefix cache on, samples after the first start once
 the first has computed the prompt, and share its pages). Outputs are vLLM-shaped delta

@@ -83,7 +83,12 @@ class BatchState:
 
 
 def _sample_positions(
-    params, cfg: ModelConfig, hidden: jax.Array, s: SamplingInputs, rows: RowInputs, counts,
+    params,
+    cfg: ModelConfig,
+    hidden: jax.Array,
+    s: SamplingInputs,
+    rows: RowInputs,
+    counts,
     max_logprobs: int,
 ) -> SampledTokens:
     """Samples the W positions RowInputs names from hidden states f32[T, D]: through the LM

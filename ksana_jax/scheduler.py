@@ -32,6 +32,13 @@ finished requests), and a request whose max_tokens are all scheduled is not run 
 Each running request holds a slot of the persistent batch (`Request.slot`, in
 [0, max_num_seqs)), so at most max_num_seqs requests run.
 
+Speculative decoding (spec_decode.py): with a Speculator, `schedule()` asks it for proposals
+for the running decode rows, and runs such a row as its last token plus its proposals (cut to
+the token budget and to max_tokens: a step never adds more tokens than max_tokens allows);
+`update_from_output()` keeps the proposals up to the first the target rejected, plus the
+target's token there, and rolls num_computed_tokens back over the rejected ones (their K/V
+slots are overwritten by later steps; a page is cached only once its tokens are known).
+
 Prompt logprobs: a request that asks for them (its first sample, until its prompt is
 computed) has each prompt position scored as its chunk computes it (`ScheduledChunk.
 num_scored`), under a third budget, `max_num_scored_tokens` positions a step (a fixed shape

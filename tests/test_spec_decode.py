@@ -42,9 +42,9 @@ def test_bad_speculative_config_names_the_option(spec, option):
 
 def test_serve_flag_takes_json():
     args = build_parser().parse_args(
-        ["serve", "demo", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+        ["serve", "demo", "--speculative-config", '{"num_speculative_tokens": 3}']
     )
-    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    assert args.speculative_config == {"num_speculative_tokens": 3}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "demo", "--speculative-config", "[1]"])
 
