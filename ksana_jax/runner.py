@@ -31,9 +31,11 @@ from ksana_jax import multihost
 from ksana_jax.batch import PackLayout, PersistentBatch, RowInputs, pack, unpack
 from ksana_jax.config import EngineConfig, ModelConfig
 from ksana_jax.kv_cache import (
+    KVCache,
     KVCacheSpec,
     allocate_kv,
     device_bytes_per_page,
+    kv_shardings,
     num_pages_for_budget,
     resolve_kv_dtype,
 )
@@ -75,7 +77,7 @@ class BatchState:
         return cls(jnp.zeros(num_slots, jnp.int32), PenaltyCounts.zeros(num_slots, vocab))
 
 
-def _model_logits(params, cfg: ModelConfig, kv: jax.Array, inputs: StepInputs, backend: str):
+def _model_logits(params, cfg: ModelConfig, kv: KVCache, inputs: StepInputs, backend: str):
     """The model: forward over the ragged batch; logits f32[S, V] of each row's last token,
     and the final hidden states f32[T, D] (for scored prompt positions)."""
     hidden, kv = registry.forward(params, cfg, kv, inputs, backend)
@@ -86,7 +88,7 @@ def _model_logits(params, cfg: ModelConfig, kv: jax.Array, inputs: StepInputs, b
 def _engine_step(
     params: registry.Params,
     cfg: ModelConfig,
-    kv: jax.Array,
+    kv: KVCache,
     state: BatchState,
     buffers: tuple[jax.Array, jax.Array],
     layout: PackLayout,
@@ -159,8 +161,8 @@ def kv_pinned_engine_step(kv_format: Format):
     keyword arguments."""
     step = jax.jit(
         _engine_step,
-        in_shardings=(None, kv_format, None, None),  # params, kv, state, buffers
-        out_shardings=(None, kv_format, None),
+        in_shardings=(None, kv_shardings(kv_format), None, None),  # params, kv, state, buffers
+        out_shardings=(None, kv_shardings(kv_format), None),
         **_STEP_JIT,
     )
     _step_functions.add(step)

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from ksana_jax.kv_cache import float_kv
 from ksana_jax.pallas_kernels import (
     paged_attention_gpu,
     ragged_paged_attention_cpu,
@@ -119,7 +120,7 @@ def make_batch(rows, spec, *, num_kv_heads, group, head_dim, seed=0, bad_page_id
         normal(NUM_TOKENS, num_heads, head_dim),
         normal(NUM_TOKENS, num_kv_heads, head_dim),
         normal(NUM_TOKENS, num_kv_heads, head_dim),
-        jnp.asarray(kv),
+        float_kv(jnp.asarray(kv)),
         jnp.int32(1),
         jnp.asarray(page_table),
         jnp.asarray(seq_lens),
