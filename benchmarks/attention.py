@@ -73,7 +73,9 @@ def build_batch(rows, num_heads, num_kv_heads, head_dim, dtype, seed=0):
         jax.random.normal(k1, (num_tokens, num_heads, head_dim), jnp.float32),
         jax.random.normal(k2, (num_tokens, num_kv_heads, head_dim), dtype),
         jax.random.normal(k3, (num_tokens, num_kv_heads, head_dim), dtype),
-        float_kv(jax.random.normal(k4, (1, 2, num_kv_heads, num_pages, PAGE_SIZE, head_dim), dtype)),
+        float_kv(
+            jax.random.normal(k4, (1, 2, num_kv_heads, num_pages, PAGE_SIZE, head_dim), dtype)
+        ),
         jnp.int32(0),
         jnp.asarray(page_table),
         jnp.asarray([c + n for c, n in rows], jnp.int32),

@@ -102,7 +102,9 @@ def to_kv_dtype(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return x.astype(dtype)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["pages", "scales"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["pages", "scales"], meta_fields=[]
+)
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """The paged KV state every step takes (donated) and returns (layout: module docstring)."""
@@ -223,8 +225,10 @@ def kv_shardings(pages_sharding) -> KVCache | None:
     if isinstance(pages_sharding, Format):
         scales = kv_shardings(pages_sharding.sharding).scales
         return KVCache(pages_sharding, Format(Layout(major_to_minor=tuple(range(5))), scales))
-    spec = tuple(pages_sharding.spec) + (None,) * 6
-    scales = jax.sharding.NamedSharding(pages_sharding.mesh, jax.sharding.PartitionSpec(*spec[:5]))
+    spec = list(pages_sharding.spec)[:5]
+    while spec and spec[-1] is None:  # P() as jit writes it, or equal shardings recompile
+        spec.pop()
+    scales = jax.sharding.NamedSharding(pages_sharding.mesh, jax.sharding.PartitionSpec(*spec))
     return KVCache(pages_sharding, scales)
 
 
@@ -241,8 +245,6 @@ def allocate_kv(spec: KVCacheSpec, sharding=None) -> KVCache:
     (a Sharding, or a Format: sharding and layout), the scales split alike (kv_shardings)."""
 
     def zeros() -> KVCache:
-        return KVCache(
-            jnp.zeros(spec.shape, spec.dtype), jnp.zeros(spec.scales_shape, jnp.float32)
-        )
+        return KVCache(jnp.zeros(spec.shape, spec.dtype), jnp.zeros(spec.scales_shape, jnp.float32))
 
     return jax.jit(zeros, out_shardings=kv_shardings(sharding))()

@@ -109,7 +109,7 @@ def test_write_rejects_bad_shapes(module):
         module.write_kv_pages(kv, new_kv[:, :, :, :1], slots)
     with pytest.raises(ValueError, match="slot_ids must be"):
         module.write_kv_pages(kv, new_kv, slots[:-1])
-    with pytest.raises(ValueError, match="kv.pages must be"):
+    with pytest.raises(ValueError, match=r"kv\.pages must be"):
         module.write_kv_pages(float_kv(kv.pages[0]), new_kv, slots)
 
 

@@ -153,6 +153,12 @@ class AttentionBackend:
                 f"attention_backend={self.name!r} takes dtype {self.dtypes}, got {dtype}"
             )
         kv_name = np.dtype(kv_dtype).name
+        if kv_name not in _FLOAT_KV_DTYPES:  # a quantized KV first, then the kernels' reasons
+            self._check_kv_dtype(kv_name)
+        self._check_kernel_layout(kv_shape, kv_dtype, num_heads)
+        self._check_kv_dtype(kv_name)
+
+    def _check_kv_dtype(self, kv_name: str) -> None:
         if kv_name not in self.kv_dtypes:
             aliases = [k for k, v in KV_CACHE_QUANTIZED.items() if v == kv_name]
             asked = f"kv_cache_dtype={aliases[0]!r} ({kv_name})" if aliases else kv_name
@@ -160,7 +166,6 @@ class AttentionBackend:
                 f"attention_backend={self.name!r} cannot read a {asked} KV cache; "
                 f"kv_cache_dtype may be one of {self.kv_dtypes}"
             )
-        self._check_kernel_layout(kv_shape, kv_dtype, num_heads)  # the kernels' own reasons
 
     def _check_kernel_layout(self, kv_shape, kv_dtype, num_heads) -> None:
         """The kernel module's own checks: `kv_layout` (the KV layout it reads) and

@@ -39,7 +39,9 @@ def _write_rows(kv: KVCache, index: tuple, new: jax.Array) -> KVCache:
     if not kv.quantized:
         return KVCache(_scatter_slots(kv.pages, index, new), kv.scales)
     values, scales = quantize_rows(new, kv.pages.dtype)
-    return KVCache(_scatter_slots(kv.pages, index, values), _scatter_slots(kv.scales, index, scales))
+    return KVCache(
+        _scatter_slots(kv.pages, index, values), _scatter_slots(kv.scales, index, scales)
+    )
 
 
 def gather_layer_pages(kv: KVCache, layer_index, page_ids: jax.Array) -> jax.Array:

@@ -118,9 +118,7 @@ def write_kv_pages(
     """
     validate_write_args(kv, new_kv, slot_ids)
     if new_kv.shape[0] != kv.pages.shape[0]:
-        raise ValueError(
-            f"new_kv must have all {kv.pages.shape[0]} layers, got {new_kv.shape[0]}"
-        )
+        raise ValueError(f"new_kv must have all {kv.pages.shape[0]} layers, got {new_kv.shape[0]}")
     first_layer = jnp.zeros(1, jnp.int32)
     return _write(kv, new_kv, slot_ids, first_layer, block_t, num_warps, num_stages, interpret)
 

@@ -41,13 +41,15 @@ from ksana_jax.kv_cache import KVCache
 from ksana_jax.pallas_kernels.attention_args import layer_as_array, validate_write_args
 
 
+from ksana_jax.pallas_kernels.ragged_paged_attention_tpu import kv_layout
+
+__all__ = ["kv_layout", "write_kv_pages", "write_layer_kv"]
+
+
 def _float_pages(kv: KVCache) -> jax.Array:
     if kv.quantized:
         raise ValueError(f"the pallas_tpu KV write takes float pages, got {kv.pages.dtype}")
     return kv.pages
-from ksana_jax.pallas_kernels.ragged_paged_attention_tpu import kv_layout
-
-__all__ = ["kv_layout", "write_kv_pages", "write_layer_kv"]
 
 
 def _write_kernel(
@@ -223,5 +225,7 @@ def _write_layer_kv(kv, first_layer, k_new, v_new, slot_ids, *, vmem_limit_bytes
     new_kv = jnp.stack([k_new, v_new])[None]  # [1, 2, T, K, H]
     validate_write_args(kv, new_kv, slot_ids)
     new_rows = new_kv.transpose(0, 2, 1, 3, 4)
-    pages = _write_pages(_float_pages(kv), new_rows, slot_ids, first_layer, vmem_limit_bytes, interpret)
+    pages = _write_pages(
+        _float_pages(kv), new_rows, slot_ids, first_layer, vmem_limit_bytes, interpret
+    )
     return KVCache(pages, kv.scales)
