@@ -348,7 +348,10 @@ AttentionBackendName = Literal["reference", "cpu", "xla", "pallas_tpu", "pallas_
 # The one list of backend names (pallas_kernels.BACKENDS holds their objects); "auto" picks one.
 ATTENTION_BACKENDS = ("auto", *get_args(AttentionBackendName))
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")
-KV_CACHE_DTYPES = (*ENGINE_DTYPES, "float16")
+# Quantized KV (vLLM's names): int8, or fp8 = fp8_e4m3 = float8_e4m3fn, with a float32 scale
+# per token and KV head beside the pages (kv_cache.py).
+KV_CACHE_QUANTIZED = {"int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+KV_CACHE_DTYPES = (*ENGINE_DTYPES, "float16", *KV_CACHE_QUANTIZED)
 # Weight quantization formats (ksana_jax/quant.py): the one list.
 Quantization = Literal["int8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
@@ -382,7 +385,8 @@ class EngineConfig:
     dtype: str = _field("auto", "parameter dtype; auto = the checkpoint's", ENGINE_DTYPES)
     kv_cache_dtype: str = _field(
         "auto",
-        "KV cache dtype; auto = the parameter dtype, but float16 for bfloat16 params on CPU",
+        "KV cache dtype; auto = the parameter dtype, but float16 for bfloat16 params on CPU; "
+        "int8 / fp8 (= fp8_e4m3): quantized, a float32 scale per token and KV head",
         KV_CACHE_DTYPES,
     )
     quantization: str | None = _field(

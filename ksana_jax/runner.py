@@ -38,9 +38,11 @@ from ksana_jax.batch import (
 )
 from ksana_jax.config import EngineConfig, ModelConfig
 from ksana_jax.kv_cache import (
+    KVCache,
     KVCacheSpec,
     allocate_kv,
     device_bytes_per_page,
+    kv_shardings,
     num_pages_for_budget,
     resolve_kv_dtype,
 )
@@ -130,13 +132,13 @@ def _last_tokens(sampled: SampledTokens, inputs: StepInputs, rows: RowInputs) ->
 def _engine_step(
     params: registry.Params,
     cfg: ModelConfig,
-    kv: jax.Array,
+    kv: KVCache,
     state: BatchState,
     buffers: tuple[jax.Array, jax.Array],
     layout: PackLayout,
     max_logprobs: int,
     backend: str = "reference",
-) -> tuple[tuple[SampledTokens, ScoredLogprobs], jax.Array, BatchState]:
+) -> tuple[tuple[SampledTokens, ScoredLogprobs], KVCache, BatchState]:
     """Unpacks the step's inputs (StepInputs, SamplingInputs, RowInputs; see batch.pack),
     feeds placeholders their slot's last sampled token, counts the fed tokens for
     penalties, runs the model, samples each row's last token and scores the prompt
@@ -205,8 +207,8 @@ def kv_pinned_engine_step(kv_format: Format):
     keyword arguments."""
     step = jax.jit(
         _engine_step,
-        in_shardings=(None, kv_format, None, None),  # params, kv, state, buffers
-        out_shardings=(None, kv_format, None),
+        in_shardings=(None, kv_shardings(kv_format), None, None),  # params, kv, state, buffers
+        out_shardings=(None, kv_shardings(kv_format), None),
         **_STEP_JIT,
     )
     _step_functions.add(step)
