@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from ksana_jax import runner
 from ksana_jax.batch import pack
 from ksana_jax.config import EngineConfig
+from ksana_jax.kv_cache import kv_shardings
 
 # A 32-row decode bucket over contexts up to 1024 tokens.
 DECODE_BUCKET = dict(
@@ -45,14 +46,18 @@ def lower_decode_step(
             config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
         )
     )
-    kv = jax.ShapeDtypeStruct(step_runner.kv.shape, step_runner.kv.dtype)
+    kv = step_runner.kv
+    if kv_sharding is None:
+        placed_kv = placed(kv, sharding)
+    else:  # the pages' sharding or Format; the scales alike (kv_cache.kv_shardings)
+        placed_kv = jax.tree.map(placed, kv, kv_shardings(kv_sharding))
     default_backend = jax.default_backend
     jax.default_backend = lambda: platform
     try:
         lowered = (step or runner.engine_step).lower(
             placed(model.params, sharding),
             model.config,
-            placed(kv, kv_sharding or sharding),
+            placed_kv,
             placed(step_runner.state, sharding),
             placed(buffers, sharding),
             layout,
@@ -61,7 +66,7 @@ def lower_decode_step(
         )
     finally:
         jax.default_backend = default_backend
-    return lowered, kv
+    return lowered, jax.ShapeDtypeStruct(kv.pages.shape, kv.pages.dtype)
 
 
 def whole_kv_copies(hlo_text: str, kv: jax.ShapeDtypeStruct) -> int:

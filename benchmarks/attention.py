@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ksana_jax import pallas_kernels
+from ksana_jax.kv_cache import float_kv
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 MODELS = {"smollm2": (9, 3, 64), "llama3_8b": (32, 8, 128)}  # query heads, KV heads, head dim
@@ -72,7 +73,9 @@ def build_batch(rows, num_heads, num_kv_heads, head_dim, dtype, seed=0):
         jax.random.normal(k1, (num_tokens, num_heads, head_dim), jnp.float32),
         jax.random.normal(k2, (num_tokens, num_kv_heads, head_dim), dtype),
         jax.random.normal(k3, (num_tokens, num_kv_heads, head_dim), dtype),
-        jax.random.normal(k4, (1, 2, num_kv_heads, num_pages, PAGE_SIZE, head_dim), dtype),
+        float_kv(
+            jax.random.normal(k4, (1, 2, num_kv_heads, num_pages, PAGE_SIZE, head_dim), dtype)
+        ),
         jnp.int32(0),
         jnp.asarray(page_table),
         jnp.asarray([c + n for c, n in rows], jnp.int32),

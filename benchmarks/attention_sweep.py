@@ -32,7 +32,9 @@ def describe_defaults(batch) -> str:
     """What the kernel picks for this batch when the caller names nothing: the tuning of
     each launch it plans (the short rows' first when there are two)."""
     q, kv, page_table = batch[0], batch[3], batch[5]
-    plan = paged_attention_gpu_launches.plan_launches(q.shape, kv.shape, kv.dtype, page_table.shape)
+    plan = paged_attention_gpu_launches.plan_launches(
+        q.shape, kv.pages.shape, kv.pages.dtype, page_table.shape
+    )
     described = []
     for launch in plan:
         tuning = ", ".join(f"{name} {value}" for name, value in launch.tuning._asdict().items())

@@ -69,6 +69,7 @@ import jax.numpy as jnp
 from aot_engine_step import lower_decode_step, placed, whole_kv_copies
 from jax.experimental import topologies
 
+from ksana_jax.kv_cache import float_kv_shapes
 from ksana_jax.pallas_kernels import (
     paged_attention_gpu,
     paged_attention_gpu_launches,
@@ -291,7 +292,7 @@ def kernels(model: str, dtype, workloads, extra_launches=(), reference_too=False
     sds = jax.ShapeDtypeStruct
     num_tokens = sum(n for _, n in WORKLOADS["mixed"])
     kv = attention_shapes(WORKLOADS["mixed"], num_heads, num_kv_heads, head_dim, dtype)[3]
-    kv = sds((4, *kv.shape[1:]), dtype)  # 4 layers: write_kv_pages writes every one
+    kv = float_kv_shapes(sds((4, *kv.pages.shape[1:]), dtype))  # 4 layers: the every-layer write
     new = sds((num_tokens, num_kv_heads, head_dim), dtype)
     slots = sds((num_tokens,), jnp.int32)
     write_all = jax.jit(write_kv_pages_gpu.write_kv_pages, donate_argnums=0)

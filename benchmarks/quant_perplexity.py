@@ -9,13 +9,18 @@ Models, all from the bundled GGUF (Q4_1 linear layers, Q8_0 embedding):
     int4        that model quantized at load time, int4 asymmetric groups of 32
     gguf-int4   the GGUF read with quantization="int4": its blocks kept as they are
     bf16 rows   the same in bfloat16 (what serving on CPU uses by default)
+    KV rows     the first float model with its KV cache in each of `--kv-cache-dtypes`
+                (int8 / fp8: quantized per token and KV head, kv_cache.py); "KV B/token"
+                is the cache's bytes per token at that dtype (scales included)
 
     python benchmarks/quant_perplexity.py [--tokens 4096] [--window 1024]
+    python benchmarks/quant_perplexity.py --no-weights --dtypes float32  # KV rows only
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 
@@ -48,39 +53,52 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--kv-cache-dtypes", default="int8,fp8")
+    parser.add_argument("--no-weights", action="store_true", help="skip quantized weights")
     args = parser.parse_args()
 
     import ksana_jax
     from ksana_jax import quant
     from ksana_jax.demo import demo_gguf_path
+    from ksana_jax.kv_cache import KVCacheSpec
 
     gguf = demo_gguf_path()
     rows = []
     base = None
     for dtype in args.dtypes.split(","):
-        variants = {
-            dtype: dict(),
-            f"int8 ({dtype})": dict(quantization="int8"),
-            f"int4 ({dtype})": dict(quantization="int4"),
-        }
+        variants = {dtype: dict()}
+        if not args.no_weights:
+            variants |= {
+                f"int8 ({dtype})": dict(quantization="int8"),
+                f"int4 ({dtype})": dict(quantization="int4"),
+            }
         for name, kw in variants.items():
             model = ksana_jax.load(gguf, dtype=dtype)
             if kw:  # quantized from the float model (load_time), not from the GGUF's blocks
                 model = model.with_quantization(kw["quantization"])
             rows.append((name, model))
-        rows.append(
-            (f"gguf-int4 ({dtype})", ksana_jax.load(gguf, dtype=dtype, quantization="int4"))
-        )
+        if not args.no_weights:
+            rows.append(
+                (f"gguf-int4 ({dtype})", ksana_jax.load(gguf, dtype=dtype, quantization="int4"))
+            )
+    float_model = rows[0][1]
+    for kv_dtype in filter(None, args.kv_cache_dtypes.split(",")):
+        model = dataclasses.replace(float_model, kv_cache_dtype=kv_dtype)
+        rows.append((f"{rows[0][0]}, KV {kv_dtype}", model))
     tokens = text_tokens(rows[0][1].tokenizer, args.tokens)
     print(f"{len(tokens)} tokens of pydoc_data.topics, windows of {args.window}")
-    print(f"{'model':<22} {'perplexity':>10} {'x float32':>10} {'param MB':>9} {'s':>6}")
+    print(
+        f"{'model':<22} {'perplexity':>10} {'x float32':>10} {'param MB':>9} "
+        f"{'KV B/token':>10} {'s':>6}"
+    )
     for name, model in rows:
         start = time.perf_counter()
         ppl = perplexity(model, tokens, args.window)
         base = base or ppl
         mb = quant.nbytes(model.params) / 1e6
         took = time.perf_counter() - start
-        print(f"{name:<22} {ppl:>10.3f} {ppl / base:>10.4f} {mb:>9.1f} {took:>6.1f}")
+        kv = KVCacheSpec.for_model(model.config, 2, 16, model.kv_dtype).bytes_per_page // 16
+        print(f"{name:<22} {ppl:>10.3f} {ppl / base:>10.4f} {mb:>9.1f} {kv:>10} {took:>6.1f}")
 
 
 if __name__ == "__main__":

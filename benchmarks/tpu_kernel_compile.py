@@ -33,6 +33,7 @@ from aot_engine_step import lower_decode_step, placed, whole_kv_copies
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ksana_jax.kv_cache import float_kv_shapes
 from ksana_jax.pallas_kernels import ragged_paged_attention_tpu, write_kv_pages_tpu
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
@@ -51,7 +52,7 @@ def kernels(num_layers, num_heads, num_kv_heads, head_dim, dtype, features=None)
     """(name, jitted function, argument shapes) of each TPU kernel at these shapes; attention
     with `features` (AttentionSpec fields: window, soft-cap) if given."""
     sds = jax.ShapeDtypeStruct
-    kv = sds((num_layers, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), dtype)
+    kv = float_kv_shapes(sds((num_layers, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), dtype))
     i32 = jnp.int32
     spec = AttentionSpec(head_dim**-0.5, **(features or {}))
     attention = jax.jit(

@@ -56,6 +56,11 @@ class EngineSnapshot:
     prefix_cache_hits: int
     preemptions: int
     compilations: int
+    # speculative decoding (zeros without it): proposals verified, accepted, and by position
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_drafted_per_position: tuple[int, ...]
+    spec_accepted_per_position: tuple[int, ...]
     step_timer: StepTimer  # a copy: host and device ms per step, device-idle time
 
 
@@ -184,6 +189,7 @@ class AsyncEngine:
     def snapshot(self) -> EngineSnapshot:
         engine = self.engine
         stats = engine.stats
+        spec = engine.speculator
         return EngineSnapshot(
             running=len(engine.scheduler.running),
             waiting=len(engine.scheduler.waiting),
@@ -194,6 +200,10 @@ class AsyncEngine:
             prefix_cache_hits=stats.prefix_cache_hits,
             preemptions=stats.preemptions,
             compilations=compile_count(),
+            spec_draft_tokens=spec.num_drafted if spec else 0,
+            spec_accepted_tokens=spec.num_accepted if spec else 0,
+            spec_drafted_per_position=tuple(spec.drafted_per_position) if spec else (),
+            spec_accepted_per_position=tuple(spec.accepted_per_position) if spec else (),
             step_timer=engine.timer.copy(),
         )
 

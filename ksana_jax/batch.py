@@ -43,6 +43,10 @@ from ksana_jax.structured import fill_bitmasks
         "reset_slots",
         "scored_token_slots",
         "scored_targets",
+        "sample_token_slots",
+        "sample_rows",
+        "sample_offsets",
+        "sample_has_draft",
     ],
     meta_fields=[],
 )
@@ -57,6 +61,18 @@ class RowInputs:
     reset_slots: jax.Array  # i32[S]  zero that slot's penalty counts first (else R)
     scored_token_slots: jax.Array  # i32[Q]  prompt logprobs: token slots scored (padding: 0)
     scored_targets: jax.Array  # i32[Q]  the prompt token each one predicts (padding: -1)
+    # Sampled positions (W = sample_width(T, S, k)), in use first: each row's last token and,
+    # with speculative proposals, the token before each proposal.
+    sample_token_slots: jax.Array  # i32[W]  token slot whose logits are sampled (padding: 0)
+    sample_rows: jax.Array  # i32[W]  its row (padding: S)
+    sample_offsets: jax.Array  # i32[W]  j: it samples the row's j-th new token (padding: 0)
+    sample_has_draft: jax.Array  # bool[W]  a proposal follows it (the next token slot)
+
+
+def sample_width(num_tokens: int, num_seqs: int, num_speculative: int) -> int:
+    """W, the sampled positions of a (T, S) step: each row's last token plus up to k
+    proposals' positions, never more than T."""
+    return min(num_tokens, num_seqs * (1 + num_speculative))
 
 
 def suppressed_ids(params, eos_ids: Sequence[int]) -> list[int]:
@@ -146,9 +162,15 @@ class PersistentBatch:
         return slot
 
     def prepare(
-        self, chunks: Sequence[ScheduledChunk], num_tokens: int, num_seqs: int, pages: int
+        self,
+        chunks: Sequence[ScheduledChunk],
+        num_tokens: int,
+        num_seqs: int,
+        pages: int,
+        num_positions: int,
     ) -> tuple[StepInputs, SamplingInputs, RowInputs]:
-        """The inputs of a step of bucket shape (T, S, P pages) running `chunks`."""
+        """The inputs of a step of bucket shape (T, S, P pages, W sampled positions) running
+        `chunks`; SamplingInputs has one row per sampled position."""
         n = len(chunks)
         ps = self.page_size
         slots = np.full(num_seqs, self.sink, np.int32)
@@ -184,8 +206,30 @@ class PersistentBatch:
         inputs = StepInputs(
             token_ids, positions, slot_ids, self.page_table[slots, :pages], seq_lens, query_starts
         )
-        num_generated = np.zeros(num_seqs, np.int32)  # outputs before the sampled token
-        num_generated[:n] = np.maximum(seq_lens[:n] - self.num_prompt_tokens[slots[:n]], 0)
+        # Sampled positions: each chunk's last 1 + len(drafts) tokens, chunk after chunk.
+        num_drafts = np.fromiter((len(c.draft_token_ids) for c in chunks), np.int32, n)
+        used = int(num_drafts.sum()) + n
+        assert used <= num_positions, (used, num_positions)
+        pos_rows = np.repeat(np.arange(n, dtype=np.int32), num_drafts + 1)
+        offsets = (
+            np.arange(used, dtype=np.int32) - (np.cumsum(num_drafts + 1) - num_drafts - 1)[pos_rows]
+        )
+        sample_token_slots = np.zeros(num_positions, np.int32)
+        sample_token_slots[:used] = ends[pos_rows] - 1 - num_drafts[pos_rows] + offsets
+        sample_rows = np.full(num_positions, num_seqs, np.int32)
+        sample_rows[:used] = pos_rows
+        sample_offsets = np.zeros(num_positions, np.int32)
+        sample_offsets[:used] = offsets
+        has_draft = np.zeros(num_positions, bool)
+        has_draft[:used] = offsets < num_drafts[pos_rows]
+        sample_slots = np.full(num_positions, self.sink, np.int32)
+        sample_slots[:used] = slots[pos_rows]
+        # outputs before the sampled token: the noise index of the output it samples
+        num_generated = np.zeros(num_positions, np.int32)
+        num_generated[:used] = np.maximum(
+            positions[sample_token_slots[:used]] + 1 - self.num_prompt_tokens[sample_slots[:used]],
+            0,
+        )
         none = self.num_slots  # "no slot" in RowInputs
         last_token_slots = np.full(num_tokens, none, np.int32)
         last_token_slots[:total] = np.where(is_known, none, token_slots)
@@ -201,15 +245,24 @@ class PersistentBatch:
             is_output,
             reset_slots,
             *self._scored(chunks, query_starts),
+            sample_token_slots,
+            sample_rows,
+            sample_offsets,
+            has_draft,
         )
-        return inputs, self._sampling(slots, num_generated, self._bitmasks(chunks, num_seqs)), rows
+        firsts = np.cumsum(num_drafts + 1) - num_drafts - 1  # each chunk's first position
+        masks = self._bitmasks(chunks, firsts, num_positions)
+        return inputs, self._sampling(sample_slots, num_generated, masks), rows
 
-    def _bitmasks(self, chunks: Sequence[ScheduledChunk], num_seqs: int) -> np.ndarray:
-        """SamplingInputs.token_bitmask: the grammar's allowed tokens for each constrained row
-        that samples, all ones for every other row (so any mix runs the same compiled step)."""
-        masks = np.full((num_seqs, self.mask_words), -1, np.int32)
+    def _bitmasks(
+        self, chunks: Sequence[ScheduledChunk], firsts: np.ndarray, num_positions: int
+    ) -> np.ndarray:
+        """SamplingInputs.token_bitmask: the grammar's allowed tokens at the sampled position
+        of each constrained chunk that samples (such a row never carries proposals: the
+        scheduler proposes none for it), all ones elsewhere (so any mix runs the same step)."""
+        masks = np.full((num_positions, self.mask_words), -1, np.int32)
         constrained = [
-            (c.request.matcher, i)
+            (c.request.matcher, int(firsts[i]))
             for i, c in enumerate(chunks)
             if c.samples and c.request.matcher is not None
         ]
@@ -260,10 +313,10 @@ class PersistentBatch:
         )
 
     def padding(
-        self, num_tokens: int, num_seqs: int, pages: int
+        self, num_tokens: int, num_seqs: int, pages: int, num_positions: int
     ) -> tuple[StepInputs, SamplingInputs, RowInputs]:
-        """Inputs of a (T, S, P pages) step holding padding only."""
-        return self.prepare([], num_tokens, num_seqs, pages)
+        """Inputs of a (T, S, P pages, W positions) step holding padding only."""
+        return self.prepare([], num_tokens, num_seqs, pages, num_positions)
 
 
 # A step's host inputs travel as two flat buffers (int32 and float32) rather than ~25 small

@@ -202,6 +202,16 @@ def _int_tuple(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def add_engine_flags(
     parser: argparse.ArgumentParser,
     only: Sequence[str] | None = None,
@@ -228,6 +238,9 @@ def add_engine_flags(
         base = next(a for a in args if a is not type(None)) if optional else hint
         if base is bool:
             options["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(base) is dict:
+            options["type"] = _json_object
+            options["metavar"] = "JSON"
         elif typing.get_origin(base) is tuple:
             options["type"] = _int_tuple
             options["metavar"] = "N,N,..."

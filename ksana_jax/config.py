@@ -20,6 +20,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, get_args
 
+from ksana_jax.spec_decode import SpeculativeConfig
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -346,7 +348,10 @@ AttentionBackendName = Literal["reference", "cpu", "xla", "pallas_tpu", "pallas_
 # The one list of backend names (pallas_kernels.BACKENDS holds their objects); "auto" picks one.
 ATTENTION_BACKENDS = ("auto", *get_args(AttentionBackendName))
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")
-KV_CACHE_DTYPES = (*ENGINE_DTYPES, "float16")
+# Quantized KV (vLLM's names): int8, or fp8 = fp8_e4m3 = float8_e4m3fn, with a float32 scale
+# per token and KV head beside the pages (kv_cache.py).
+KV_CACHE_QUANTIZED = {"int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+KV_CACHE_DTYPES = (*ENGINE_DTYPES, "float16", *KV_CACHE_QUANTIZED)
 # Weight quantization formats (ksana_jax/quant.py): the one list.
 Quantization = Literal["int8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
@@ -380,7 +385,8 @@ class EngineConfig:
     dtype: str = _field("auto", "parameter dtype; auto = the checkpoint's", ENGINE_DTYPES)
     kv_cache_dtype: str = _field(
         "auto",
-        "KV cache dtype; auto = the parameter dtype, but float16 for bfloat16 params on CPU",
+        "KV cache dtype; auto = the parameter dtype, but float16 for bfloat16 params on CPU; "
+        "int8 / fp8 (= fp8_e4m3): quantized, a float32 scale per token and KV head",
         KV_CACHE_DTYPES,
     )
     quantization: str | None = _field(
@@ -434,6 +440,11 @@ class EngineConfig:
         "prepare and dispatch the next step before fetching this one's tokens (same outputs; "
         "off by default until measured on an accelerator: on CPU host and device share cores)",
     )
+    speculative_config: dict[str, Any] | None = _field(  # noqa: RUF009 (a default of None)
+        None,
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (see docs/speculative.md)',
+    )
     compilation_cache_dir: str | None = _field(
         None, "JAX persistent compilation cache directory (serve: ~/.cache/ksana-jax/jax)"
     )
@@ -467,6 +478,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.speculative_config is not None:
+            self.speculative  # validates it  # noqa: B018
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the sink), got {self.num_pages}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -510,6 +523,19 @@ class EngineConfig:
                 f"context_buckets {self.context_buckets} must be multiples of "
                 f"page_size {self.page_size}"
             )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config, parsed and validated (None: no speculation)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """k, the proposals a row may verify in one step (0 without speculation)."""
+        spec = self.speculative
+        return 0 if spec is None else spec.num_speculative_tokens
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -10,6 +10,10 @@ is dispatched, so the host's work overlaps the device's; the next step's decode 
 their tokens on device. A request that finished may then have computed one more token: the
 scheduler discards it, so outputs are the same either way.
 
+With speculative decoding (spec_decode.py) a step may add several tokens to a request; a
+stop string inside them ends the request there and drops the tokens after it. While
+speculation may propose, steps are not overlapped (proposals need the last tokens).
+
 Requests come in as text or token ids with SamplingParams; a request with n > 1 runs as n
 samples sharing one request id (with the prefix cache on, samples after the first start once
 the first has computed the prompt, and share its pages). Outputs are vLLM-shaped delta
@@ -48,6 +52,7 @@ from ksana_jax.runner import MAX_SUPPRESSED_IDS, InFlight, ModelRunner
 from ksana_jax.sampling import SampledTokens, ScoredLogprobs
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.scheduler import Scheduler, SchedulerOutput
+from ksana_jax.spec_decode import Speculator
 from ksana_jax.step_metrics import StepTimer
 from ksana_jax.structured import GrammarCompiler
 from ksana_jax.tokenizer import IncrementalDetokenizer
@@ -107,6 +112,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = model.tokenizer
         self.runner = ModelRunner(model, config)
+        spec = config.speculative
+        self.speculator = Speculator(spec) if spec is not None else None
         cache = PrefixCache(config.page_size) if config.enable_prefix_caching else None
         self.pages = PageManager(self.runner.num_pages, cache)
         self.scheduler = Scheduler(
@@ -116,6 +123,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             model.eos_token_ids,
             config.max_num_scored_tokens,
+            self.speculator,
         )
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
@@ -268,14 +276,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update -> emit. With async scheduling a step's results are
-        fetched by the next call, once it has dispatched the step after it -- except a step
-        with grammar-constrained rows: the next step's token masks need its tokens, so it is
-        finished before the next is scheduled (that step runs synchronously; computing masks
-        after the fetch instead would put the matcher's work on the critical path anyway)."""
+        fetched by the next call, once it has dispatched the step after it -- except where the
+        next schedule needs a step's tokens on the host: grammar-constrained rows (the next
+        token masks; computing masks after the fetch would put the matcher's work on the
+        critical path anyway) and speculation (proposals extend the known tokens). Such a
+        step is finished before the next is scheduled, as without async scheduling."""
         begin = time.perf_counter()
         outputs = []
-        if self._in_flight is not None and self._in_flight.constrained:
-            outputs = self._complete(self._in_flight, begin)
+        if self._in_flight is not None and (self._in_flight.constrained or self._speculating()):
+            # the next schedule needs this step's tokens on the host (grammar masks, proposals)
+            outputs = self._finish(self._in_flight, begin)
             self._in_flight = None
         scheduled = self.scheduler.schedule()
         self._count(scheduled)
@@ -284,18 +294,25 @@ class LLMEngine:
             in_flight = self.runner.dispatch(scheduled.chunks)
             constrained = any(c.samples and c.request.matcher for c in scheduled.chunks)
             running = _Dispatched(scheduled, in_flight, time.perf_counter(), constrained)
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and not scheduled.num_drafts:
             done, self._in_flight = self._in_flight, running
-        else:
+        else:  # a step verifying proposals is finished before the next is scheduled
             done = running
         if done is not None:
-            outputs += self._complete(done, begin)
+            outputs += self._finish(done, begin)
         elif not outputs:
             self.timer.pause()
         return outputs
 
-    def _complete(self, done: _Dispatched, begin: float) -> list[RequestOutput]:
-        """Waits for a dispatched step, applies its tokens and emits its outputs."""
+    def _speculating(self) -> bool:
+        """Speculation may propose at the next schedule (few enough requests run)."""
+        return (
+            self.speculator is not None
+            and len(self.scheduler.running) <= self.speculator.config.disable_by_batch_size
+        )
+
+    def _finish(self, done: _Dispatched, begin: float) -> list[RequestOutput]:
+        """fetch -> update -> emit for a dispatched step."""
         fetch_begin = time.perf_counter()
         was_ready = done.in_flight.out[0].token_ids.is_ready()
         sampled, scored = self.runner.fetch(done.in_flight)
@@ -353,20 +370,31 @@ class LLMEngine:
         return text
 
     def _emit(
-        self, advanced: list[tuple[int, Request]], sampled: SampledTokens
+        self, advanced: list[tuple[int, Request, int]], sampled: SampledTokens
     ) -> list[RequestOutput]:
-        """Detokenizes each new token, applies stop strings; outputs of the groups that moved."""
+        """Detokenizes each new token, applies stop strings; outputs of the groups that moved.
+        A stop string ends a request at the token completing it: tokens after it (accepted
+        proposals) are dropped."""
         groups: dict[str, _Group] = {}
-        for row, request in advanced:
+        for position, request, num_new in advanced:
             group = self._groups[request.parent_id]
             groups[group.request_id] = group
-            if len(request.output_token_ids) == 1:
+            first = len(request.output_token_ids) - num_new
+            if first == 0:
                 self.stats.prompt_tokens += len(request.prompt_token_ids)
-            self.stats.generation_tokens += 1
             if group.error is not None:
+                self.stats.generation_tokens += num_new
                 continue
             try:
-                self._append_token(request, group.detokenizers[request.index], sampled, row)
+                for j in range(num_new):
+                    self.stats.generation_tokens += 1
+                    index = first + j
+                    stopped = self._append_token(
+                        request, group.detokenizers[request.index], sampled, position + j, index
+                    )
+                    if stopped and index + 1 < len(request.output_token_ids):
+                        del request.output_token_ids[index + 1 :]
+                        break
             except Exception as e:  # a bug met by one request must not stop the others
                 log.exception("request %s failed", group.request_id)
                 group.error = f"{type(e).__name__}: {e}"
@@ -380,12 +408,19 @@ class LLMEngine:
         return outputs
 
     def _append_token(
-        self, request: Request, detok: IncrementalDetokenizer, sampled: SampledTokens, row: int
-    ) -> None:
-        """The host side of a new token (the scheduler has appended it and applied stop ids,
-        EOS and max_tokens): logprobs, text, stop strings."""
+        self,
+        request: Request,
+        detok: IncrementalDetokenizer,
+        sampled: SampledTokens,
+        row: int,
+        index: int,
+    ) -> bool:
+        """The host side of output token `index` (the scheduler has appended it and applied
+        stop ids, EOS and max_tokens), sampled at position `row`: logprobs, text, stop
+        strings. True if a stop string ended the request at it."""
         params = request.params
-        token = request.output_token_ids[-1]
+        token = request.output_token_ids[index]
+        is_last = index + 1 == len(request.output_token_ids)
         if params.logprobs is not None:
             top = zip(
                 sampled.top_ids[row, : params.logprobs].tolist(),
@@ -396,11 +431,11 @@ class LLMEngine:
             entry[token] = float(sampled.logprobs[row])
             request.output_logprobs.append(entry)
         request.text_offsets.append(len(detok.text))
-        if request.stopped_on_token:  # a stop token id or EOS: not part of the text
-            return
+        if request.stopped_on_token and is_last:  # a stop token id or EOS: not in the text
+            return False
         delta = detok.add(token)
         request.text += delta
-        num_out = len(request.output_token_ids)
+        num_out = index + 1
         can_stop = num_out > params.min_tokens or num_out == params.max_tokens
         if can_stop and delta and params.stop:
             for stop in params.stop:
@@ -413,7 +448,8 @@ class LLMEngine:
                         request.finish_reason = "stop"
                     else:
                         self.scheduler.finish(request, "stop")
-                    return
+                    return True
+        return False
 
     def _output(self, group: _Group) -> RequestOutput:
         """The group's delta output: what each sample gained since its previous one."""

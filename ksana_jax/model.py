@@ -49,6 +49,8 @@ class Model:
     plan: sharding.ShardingPlan
     # The weight quantization (quant.py) asked for at convert or load time; None = float.
     quantization: str | None = None
+    # The KV cache dtype of `logits` and `generate` (EngineConfig.kv_cache_dtype's choices).
+    kv_cache_dtype: str = "auto"
 
     @property
     def dtype(self) -> str:
@@ -57,7 +59,7 @@ class Model:
     @property
     def kv_dtype(self) -> str:
         """The KV dtype this model's single-sequence paths use (see resolve_kv_dtype)."""
-        return resolve_kv_dtype("auto", self.dtype, jax.default_backend())
+        return resolve_kv_dtype(self.kv_cache_dtype, self.dtype, jax.default_backend())
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -132,6 +134,7 @@ def load(
     dtype: str = "auto",
     tensor_parallel_size: int = 1,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> Model:
     """Loads a checkpoint directory, an HF directory or a GGUF file.
 
@@ -143,11 +146,14 @@ def load(
         restored straight into the shards (no device ever holds a whole copy).
       quantization: "int8" | "int4" quantizes every matrix (linear layers, embedding, LM
         head) on the host before it is placed (quant.py); None keeps the checkpoint's.
+      kv_cache_dtype: the KV dtype `Model.logits` and `generate` run through ("auto", a
+        float dtype, or quantized "int8" / "fp8"; see kv_cache.py).
     """
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {DTYPES}")
     if quantization is not None:
         quant.check_format(quantization)
+    resolve_kv_dtype(kv_cache_dtype, "float32", jax.default_backend())  # a bad name: ValueError
     path = Path(resolve_model(str(path)))  # `demo`: the bundled model
     if checkpoint.is_checkpoint_dir(path):
         config = checkpoint.validate(path)  # names a missing or damaged file before any read
@@ -173,5 +179,5 @@ def load(
         generation = source.generation_config or {}
     if dtype != "auto":
         config = dataclasses.replace(config, dtype=dtype)
-    model = Model(config, params, tokenizer, generation, plan, stored)
+    model = Model(config, params, tokenizer, generation, plan, stored, kv_cache_dtype)
     return model.with_quantization(quantization)

@@ -43,6 +43,8 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)
     cache_salt: str = ""
     num_preemptions: int = 0
+    # Speculative decoding: running fraction of proposals the target accepted (spec_decode.py)
+    spec_acceptance: float = 1.0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stopped_on_token: bool = False  # ended by a stop token id or EOS (not part of the text)
     # structured output: the grammar's position (structured.GrammarMatcher), advanced by the

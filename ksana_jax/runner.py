@@ -28,12 +28,21 @@ from jax.experimental.layout import Format, Layout
 from tqdm import tqdm
 
 from ksana_jax import multihost
-from ksana_jax.batch import PackLayout, PersistentBatch, RowInputs, pack, unpack
+from ksana_jax.batch import (
+    PackLayout,
+    PersistentBatch,
+    RowInputs,
+    pack,
+    sample_width,
+    unpack,
+)
 from ksana_jax.config import EngineConfig, ModelConfig
 from ksana_jax.kv_cache import (
+    KVCache,
     KVCacheSpec,
     allocate_kv,
     device_bytes_per_page,
+    kv_shardings,
     num_pages_for_budget,
     resolve_kv_dtype,
 )
@@ -75,28 +84,66 @@ class BatchState:
         return cls(jnp.zeros(num_slots, jnp.int32), PenaltyCounts.zeros(num_slots, vocab))
 
 
-def _model_logits(params, cfg: ModelConfig, kv: jax.Array, inputs: StepInputs, backend: str):
-    """The model: forward over the ragged batch; logits f32[S, V] of each row's last token,
-    and the final hidden states f32[T, D] (for scored prompt positions)."""
-    hidden, kv = registry.forward(params, cfg, kv, inputs, backend)
-    last = jnp.maximum(inputs.query_starts[1:] - 1, 0)  # [S]
-    return registry.logits(params, cfg, hidden[last]), hidden, kv
+def _sample_positions(
+    params,
+    cfg: ModelConfig,
+    hidden: jax.Array,
+    s: SamplingInputs,
+    rows: RowInputs,
+    counts,
+    max_logprobs: int,
+) -> SampledTokens:
+    """Samples the W positions RowInputs names from hidden states f32[T, D]: through the LM
+    head and the sampler (SamplingInputs has a row per position). With proposals W exceeds
+    min(T, S); a `lax.switch` on how many are in use then projects only min(T, S) positions
+    unless more are, so a step without proposals pays for no more than before."""
+    num_tokens, num_seqs = hidden.shape[0], rows.reset_slots.shape[0]
+    width = rows.sample_token_slots.shape[0]
+
+    def project(size: int):
+        def branch(hidden):
+            logits = registry.logits(params, cfg, hidden[rows.sample_token_slots[:size]])
+            out = sample(logits, jax.tree.map(lambda a: a[:size], s), counts, max_logprobs)
+            return jax.tree.map(
+                lambda a: jnp.pad(a, [(0, width - size)] + [(0, 0)] * (a.ndim - 1)), out
+            )
+
+        return branch
+
+    base = min(num_tokens, num_seqs)
+    if width <= base:
+        return project(width)(hidden)
+    index = (jnp.sum(rows.sample_rows < num_seqs) > base).astype(jnp.int32)
+    return jax.lax.switch(index, [project(base), project(width)], hidden)
+
+
+def _last_tokens(sampled: SampledTokens, inputs: StepInputs, rows: RowInputs) -> jax.Array:
+    """bool[W]: the position whose token is its row's last after verification: the first
+    whose draft the target rejected, or the last (spec_decode.py)."""
+    num_tokens, num_seqs = inputs.token_ids.shape[0], rows.reset_slots.shape[0]
+    next_ids = inputs.token_ids[jnp.minimum(rows.sample_token_slots + 1, num_tokens - 1)]
+    match = rows.sample_has_draft & (sampled.token_ids == next_ids)
+    never = jnp.iinfo(jnp.int32).max
+    first_miss = jnp.full(num_seqs + 1, never, jnp.int32)
+    first_miss = first_miss.at[rows.sample_rows].min(jnp.where(match, never, rows.sample_offsets))
+    return rows.sample_offsets == first_miss[rows.sample_rows]
 
 
 def _engine_step(
     params: registry.Params,
     cfg: ModelConfig,
-    kv: jax.Array,
+    kv: KVCache,
     state: BatchState,
     buffers: tuple[jax.Array, jax.Array],
     layout: PackLayout,
     max_logprobs: int,
     backend: str = "reference",
-) -> tuple[tuple[SampledTokens, ScoredLogprobs], jax.Array, BatchState]:
+) -> tuple[tuple[SampledTokens, ScoredLogprobs], KVCache, BatchState]:
     """Unpacks the step's inputs (StepInputs, SamplingInputs, RowInputs; see batch.pack),
     feeds placeholders their slot's last sampled token, counts the fed tokens for
     penalties, runs the model, samples each row's last token and scores the prompt
-    positions RowInputs names."""
+    positions RowInputs names. A position whose draft the target's token equals accepts it;
+    each slot's last token becomes its row's last token after verification."""
     inputs, sampling, rows = unpack(buffers, layout)
     fed = state.last_token.at[rows.last_token_slots].get(mode="fill", fill_value=-1)
     inputs = dataclasses.replace(inputs, token_ids=jnp.where(fed >= 0, fed, inputs.token_ids))
@@ -108,8 +155,8 @@ def _engine_step(
         lambda c: c,
         state.counts,
     )
-    logits, hidden, kv = _model_logits(params, cfg, kv, inputs, backend)
-    sampled = sample(logits, sampling, counts, max_logprobs)
+    hidden, kv = registry.forward(params, cfg, kv, inputs, backend)
+    sampled = _sample_positions(params, cfg, hidden, sampling, rows, counts, max_logprobs)
     scored = score_prompt(
         hidden,
         rows.scored_token_slots,
@@ -117,7 +164,8 @@ def _engine_step(
         functools.partial(registry.logits, params, cfg),
         max_logprobs,
     )
-    last_token = state.last_token.at[sampling.slots].set(sampled.token_ids, mode="drop")
+    last = jnp.where(_last_tokens(sampled, inputs, rows), sampling.slots, state.last_token.size)
+    last_token = state.last_token.at[last].set(sampled.token_ids, mode="drop")
     return (sampled, scored), kv, _replicated(BatchState(last_token, counts))
 
 
@@ -159,8 +207,8 @@ def kv_pinned_engine_step(kv_format: Format):
     keyword arguments."""
     step = jax.jit(
         _engine_step,
-        in_shardings=(None, kv_format, None, None),  # params, kv, state, buffers
-        out_shardings=(None, kv_format, None),
+        in_shardings=(None, kv_shardings(kv_format), None, None),  # params, kv, state, buffers
+        out_shardings=(None, kv_shardings(kv_format), None),
         **_STEP_JIT,
     )
     _step_functions.add(step)
@@ -168,8 +216,8 @@ def kv_pinned_engine_step(kv_format: Format):
 
 
 class InFlight(NamedTuple):
-    """A dispatched step: its device outputs, rows that matter, whether any wants logprobs,
-    how many prompt positions it scores."""
+    """A dispatched step: its device outputs, sampled positions that matter, whether any
+    wants logprobs, how many prompt positions it scores."""
 
     out: tuple[SampledTokens, ScoredLogprobs]
     num_rows: int
@@ -299,16 +347,19 @@ class ModelRunner:
         # Attention reads only cached tokens from the pages, so the context bucket covers
         # the longest cached prefix; a fresh prompt's prefill gathers almost nothing.
         context = _bucket(self.context_buckets, max(c.start for c in chunks), "cached tokens")
+        width = sample_width(num_tokens, num_seqs, cfg.num_speculative_tokens)
         inputs, sampling, rows = self.batch.prepare(
-            chunks, num_tokens, num_seqs, context // cfg.page_size
+            chunks, num_tokens, num_seqs, context // cfg.page_size, width
         )
-        logprobs = bool((sampling.num_logprobs[: len(chunks)] >= 0).any())
+        num_positions = sum(c.num_positions for c in chunks)
+        logprobs = bool((sampling.num_logprobs[:num_positions] >= 0).any())
         num_scored = sum(c.num_scored for c in chunks)
-        return InFlight(self.execute(inputs, sampling, rows), len(chunks), logprobs, num_scored)
+        return InFlight(self.execute(inputs, sampling, rows), num_positions, logprobs, num_scored)
 
     @staticmethod
     def fetch(step: InFlight) -> tuple[SampledTokens, ScoredLogprobs | None]:
-        """Waits for a dispatched step: each chunk's sampled token and logprobs, and the
+        """Waits for a dispatched step: each sampled position's token and logprobs (each
+        chunk's num_positions, chunk after chunk), and the
         scored prompt positions' logprobs in chunk order (numpy; logprob arrays are copied
         only when some row asked for them, else None)."""
         n = step.num_rows
@@ -347,7 +398,8 @@ class ModelRunner:
         self, num_tokens: int, num_seqs: int, context: int
     ) -> tuple[StepInputs, SamplingInputs, RowInputs]:
         """Inputs of a (T, S, context) step holding padding only."""
-        return self.batch.padding(num_tokens, num_seqs, context // self.config.page_size)
+        width = sample_width(num_tokens, num_seqs, self.config.num_speculative_tokens)
+        return self.batch.padding(num_tokens, num_seqs, context // self.config.page_size, width)
 
 
 def compile_count() -> int:

@@ -32,6 +32,13 @@ finished requests), and a request whose max_tokens are all scheduled is not run 
 Each running request holds a slot of the persistent batch (`Request.slot`, in
 [0, max_num_seqs)), so at most max_num_seqs requests run.
 
+Speculative decoding (spec_decode.py): with a Speculator, `schedule()` asks it for proposals
+for the running decode rows, and runs such a row as its last token plus its proposals (cut to
+the token budget and to max_tokens: a step never adds more tokens than max_tokens allows);
+`update_from_output()` keeps the proposals up to the first the target rejected, plus the
+target's token there, and rolls num_computed_tokens back over the rejected ones (their K/V
+slots are overwritten by later steps; a page is cached only once its tokens are known).
+
 Prompt logprobs: a request that asks for them (its first sample, until its prompt is
 computed) has each prompt position scored as its chunk computes it (`ScheduledChunk.
 num_scored`), under a third budget, `max_num_scored_tokens` positions a step (a fixed shape
@@ -52,6 +59,7 @@ from ksana_jax.page_manager import PageManager
 from ksana_jax.prefix_cache import page_hash, root_hash
 from ksana_jax.request import Request, RequestStatus
 from ksana_jax.sampling_params import SamplingParams
+from ksana_jax.spec_decode import Speculator
 
 log = logging.getLogger("ksana_jax.scheduler")
 
@@ -79,18 +87,29 @@ class ScheduledChunk:
     """`num_tokens` of `request`'s tokens from position `start` run this step; `samples`:
     the chunk reaches the request's last token, so its logits are sampled; `num_scored`:
     its first positions whose logprobs of the next prompt token are computed (prompt
-    logprobs: positions start .. start + num_scored - 1)."""
+    logprobs: positions start .. start + num_scored - 1); `draft_token_ids`: speculative
+    proposals after the request's last token, the chunk's last tokens (spec_decode.py).
+
+    The step samples the chunk's last 1 + len(draft_token_ids) positions (`num_positions`),
+    chunk after chunk: the target's token after the last known token and after each draft."""
 
     request: Request
     start: int
     num_tokens: int
     samples: bool
     num_scored: int = 0
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
-        """The chunk's known tokens (a placeholder at its end is not among them)."""
-        return self.request.token_ids(self.start, self.start + self.num_tokens)
+        """The chunk's tokens known to the host (a placeholder at its end is not), drafts
+        included."""
+        end = self.start + self.num_tokens - len(self.draft_token_ids)
+        return self.request.token_ids(self.start, end) + list(self.draft_token_ids)
+
+    @property
+    def num_positions(self) -> int:
+        return 1 + len(self.draft_token_ids)
 
 
 @dataclasses.dataclass
@@ -106,6 +125,10 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
+    @property
+    def num_drafts(self) -> int:
+        return sum(len(c.draft_token_ids) for c in self.chunks)
+
 
 class Scheduler:
     def __init__(
@@ -116,6 +139,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         eos_token_ids: Sequence[int] = (),
         max_num_scored_tokens: int | None = None,
+        speculator: Speculator | None = None,
     ):
         self.pages = pages
         self.cache = pages.cache
@@ -124,6 +148,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_scored_tokens = max_num_scored_tokens or max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.speculator = speculator
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key
         self._free_slots = list(range(max_num_seqs))  # a heap: lowest slot first
@@ -154,37 +179,59 @@ class Scheduler:
 
     def update_from_output(
         self, scheduled: SchedulerOutput, token_ids: Sequence[int]
-    ) -> list[tuple[int, Request]]:
-        """Applies a step's sampled tokens (`token_ids[i]` for chunk i): each sampling chunk
-        whose request is not finished gets its token, and ends at a stop token id, EOS (past
-        min_tokens) or max_tokens. Returns (chunk index, request) for each request that got a
-        token; a finished request's token is discarded (async scheduling ran it once more)."""
+    ) -> list[tuple[int, Request, int]]:
+        """Applies a step's sampled tokens (`token_ids`: each chunk's num_positions, chunk
+        after chunk). A sampling chunk whose request is not finished keeps its drafts up to the
+        first the target disagrees with, plus the target's token there (rolling
+        num_computed_tokens back over the rejected ones), and gets those tokens one by one
+        until a stop token id, EOS (past min_tokens) or max_tokens ends it. Returns (position
+        of its first token, request, tokens added) for each request that got tokens; a
+        finished request's tokens are discarded (async scheduling ran it once more)."""
         advanced = []
-        for row, chunk in enumerate(scheduled.chunks):
+        end = 0
+        for chunk in scheduled.chunks:
+            first = end
+            end += chunk.num_positions
             request = chunk.request
             if not chunk.samples or request.is_finished:
                 continue
             request.num_placeholders -= 1
-            token = int(token_ids[row])
-            request.output_token_ids.append(token)
-            advanced.append((row, request))
-            if len(request.output_token_ids) == 1:  # the prompt is computed
-                for sibling in self._after_prompt.pop(request.request_id, ()):
-                    self.add(sibling)
-            params = request.params
-            num_out = len(request.output_token_ids)
-            can_stop = num_out > params.min_tokens or num_out == params.max_tokens
-            if can_stop and (
-                token in params.stop_token_ids
-                or (token in self.eos_token_ids and not params.ignore_eos)
-            ):
-                request.stopped_on_token = True
-                self.finish(request, "stop")
-            elif request.matcher is not None and _grammar_ends(request, token):
-                self.finish(request, "stop")
-            elif num_out >= params.max_tokens:
-                self.finish(request, "length")
+            drafts = chunk.draft_token_ids
+            new = [int(t) for t in token_ids[first:end]]
+            num_accepted = 0
+            while num_accepted < len(drafts) and new[num_accepted] == drafts[num_accepted]:
+                num_accepted += 1
+            if drafts:  # the rejected drafts' K/V are overwritten by the next steps
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.speculator.record(request, len(drafts), num_accepted)
+            added = 0
+            for token in new[: num_accepted + 1]:
+                added += 1
+                if self._append(request, token):
+                    break
+            advanced.append((first, request, added))
         return advanced
+
+    def _append(self, request: Request, token: int) -> bool:
+        """Appends one output token; True if it ends the request."""
+        request.output_token_ids.append(token)
+        if len(request.output_token_ids) == 1:  # the prompt is computed
+            for sibling in self._after_prompt.pop(request.request_id, ()):
+                self.add(sibling)
+        params = request.params
+        num_out = len(request.output_token_ids)
+        can_stop = num_out > params.min_tokens or num_out == params.max_tokens
+        if can_stop and (
+            token in params.stop_token_ids
+            or (token in self.eos_token_ids and not params.ignore_eos)
+        ):
+            request.stopped_on_token = True
+            self.finish(request, "stop")
+        elif request.matcher is not None and _grammar_ends(request, token):
+            self.finish(request, "stop")
+        elif num_out >= params.max_tokens:
+            self.finish(request, "length")
+        return request.is_finished
 
     def schedule(self) -> SchedulerOutput:
         for request in self.running:
@@ -194,6 +241,11 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         out = SchedulerOutput(chunks, preempted)
+        drafts = (
+            self.speculator.propose(self.running, len(self.running))
+            if self.speculator is not None
+            else {}
+        )
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -208,6 +260,10 @@ class Scheduler:
             )
             if n == 0:
                 continue  # its prompt positions wait for the next step's scored budget
+            # proposals fit the budget and max_tokens (the step adds up to 1 + len(draft))
+            room = min(budget - n, request.params.max_tokens - request.num_output_tokens - 1)
+            draft = tuple(drafts.get(request, ())[: max(room, 0)])
+            n += len(draft)
             while not self._reserve_pages(request, request.num_computed_tokens + n):
                 victim = max(self.running, key=lambda r: r.sort_key)
                 self._preempt(victim)
@@ -215,7 +271,7 @@ class Scheduler:
                 if victim is request:
                     break
             if request.status is RequestStatus.RUNNING:
-                chunks.append(self._chunk(request, n))
+                chunks.append(self._chunk(request, n, draft))
                 budget -= n
                 scored_budget -= chunks[-1].num_scored
         # Start (or resume) waiting requests only when nothing had to be preempted.
@@ -246,13 +302,14 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _chunk(request: Request, n: int) -> ScheduledChunk:
+    def _chunk(request: Request, n: int, draft: tuple[int, ...] = ()) -> ScheduledChunk:
         assert n > 0 and not (request.num_placeholders and n > 1), (n, request.num_placeholders)
         start = request.num_computed_tokens
         num_scored = 0
         if scores_prompt(request):
             num_scored = max(0, min(start + n, len(request.prompt_token_ids) - 1) - start)
-        return ScheduledChunk(request, start, n, start + n == request.num_tokens, num_scored)
+        samples = start + n == request.num_tokens + len(draft)
+        return ScheduledChunk(request, start, n, samples, num_scored, draft)
 
     def _admit(self, request: Request, budget: int, scored_budget: int) -> int:
         """Gives a waiting request its cached prefix and the pages of its first chunk.

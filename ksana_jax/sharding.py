@@ -58,6 +58,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ksana_jax.config import ModelConfig
+from ksana_jax.kv_cache import KVCache
 from ksana_jax.models import registry
 
 DATA, MODEL, KV_REPLICA = "data", "model", "kv_replica"
@@ -258,14 +259,16 @@ def shard_over_heads(fn: Callable[..., jax.Array], kind: str) -> Callable[..., j
     if mesh.empty or MODEL not in mesh.shape or mesh.size == 1:
         return fn
 
-    def specs(num_kv_heads: int) -> tuple[P, P, P]:
+    def specs(num_kv_heads: int) -> tuple[P, P, Any]:
         split = heads_are_split(mesh, num_kv_heads)
         q_axes, kv_axes = (TENSOR, MODEL) if split else (None, None)
-        # q [T, N, H]; k_new, v_new [T, K, H]; kv [L, 2, K, num_pages, page_size, H]
-        return P(None, q_axes, None), P(None, kv_axes, None), P(None, None, kv_axes)
+        # q [T, N, H]; k_new, v_new [T, K, H]; kv pages [L, 2, K, num_pages, page_size, H]
+        # and scales [L, 2, K, ...]: both split by KV heads (axis 2)
+        kv_spec = KVCache(P(None, None, kv_axes), P(None, None, kv_axes))
+        return P(None, q_axes, None), P(None, kv_axes, None), kv_spec
 
     def attention(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts, **kw):
-        q_spec, heads, kv_spec = specs(kv.shape[2])
+        q_spec, heads, kv_spec = specs(kv.pages.shape[2])
         local = jax.shard_map(
             lambda *args: fn(*args, **kw),
             mesh=mesh,
@@ -276,7 +279,7 @@ def shard_over_heads(fn: Callable[..., jax.Array], kind: str) -> Callable[..., j
         return local(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
 
     def write_layer(kv, layer_index, k_new, v_new, slot_ids):
-        _, heads, kv_spec = specs(kv.shape[2])
+        _, heads, kv_spec = specs(kv.pages.shape[2])
         local = jax.shard_map(
             fn,
             mesh=mesh,

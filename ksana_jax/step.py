@@ -14,6 +14,7 @@ import functools
 import jax
 
 from ksana_jax.config import ModelConfig
+from ksana_jax.kv_cache import KVCache
 from ksana_jax.models import registry
 from ksana_jax.step_inputs import StepInputs
 
@@ -22,11 +23,11 @@ from ksana_jax.step_inputs import StepInputs
 def logits_step(
     params: registry.Params,
     cfg: ModelConfig,
-    kv: jax.Array,
+    kv: KVCache,
     inputs: StepInputs,
     logits_indices: jax.Array,
     backend: str = "reference",
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, KVCache]:
     """Forward over the step's T tokens; logits f32[R, V] at token slots logits_indices i32[R].
     `backend` is the attention backend (see registry.forward)."""
     hidden, kv = registry.forward(params, cfg, kv, inputs, backend)

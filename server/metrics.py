@@ -55,9 +55,33 @@ class _EngineCollector(Collector):
             ),
             "ksana_num_preemptions": ("Requests preempted for KV pages.", snap.preemptions),
             "ksana_compilations": ("Compiled step shapes (flat after warm-up).", snap.compilations),
+            "ksana_spec_decode_num_draft_tokens": (
+                "Speculative tokens proposed and verified.",
+                snap.spec_draft_tokens,
+            ),
+            "ksana_spec_decode_num_accepted_tokens": (
+                "Speculative tokens the target accepted.",
+                snap.spec_accepted_tokens,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        per_position = {
+            "ksana_spec_decode_num_draft_tokens_per_pos": (
+                "Speculative tokens verified at each position j (0 = right after the last token).",
+                snap.spec_drafted_per_position,
+            ),
+            "ksana_spec_decode_num_accepted_tokens_per_pos": (
+                "Speculative tokens accepted at each position j; acceptance at j = accepted / "
+                "draft tokens per pos.",
+                snap.spec_accepted_per_position,
+            ),
+        }
+        for name, (doc, values) in per_position.items():
+            family = CounterMetricFamily(name, doc, labels=["position"])
+            for j, value in enumerate(values):
+                family.add_metric([str(j)], value)
+            yield family
         timer = snap.step_timer
         histograms = {
             "ksana_step_host_milliseconds": (

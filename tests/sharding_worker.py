@@ -156,8 +156,9 @@ def scenario_recompile(paths: list[str]) -> dict:
         "after": compile_count(),
         "compiles_after_warm_up": len(compiles),
         "preemptions": engine.stats.preemptions,
-        "kv_spec": str(runner.kv.sharding.spec),
-        "kv_matches_plan": runner.kv.sharding == runner.plan.kv_sharding(runner.kv.shape),
+        "kv_spec": str(runner.kv.pages.sharding.spec),
+        "kv_matches_plan": runner.kv.pages.sharding
+        == runner.plan.kv_sharding(runner.kv.pages.shape),
     }
 
 
@@ -176,7 +177,7 @@ def scenario_donation(paths: list[str]) -> dict:
     kv = allocate_kv(spec, plan.kv_sharding(spec.shape))
     inputs = build_step_inputs([SequenceChunk(PROMPTS[2], 0, range(1, 3))], 16, 32, 4, 8)
     inputs, idx = plan.put_replicated((inputs, np.zeros(4, np.int32)))
-    shard_bytes = kv.addressable_shards[0].data.nbytes
+    shard_bytes = kv.pages.addressable_shards[0].data.nbytes
     with plan.activate():
         compiled = logits_step.lower(model.params, model.config, kv, inputs, idx).compile()
         stats = compiled.memory_analysis()
@@ -187,8 +188,8 @@ def scenario_donation(paths: list[str]) -> dict:
         "alias": stats.alias_size_in_bytes,
         "temp": stats.temp_size_in_bytes,
         "extra_output": stats.output_size_in_bytes - stats.alias_size_in_bytes,
-        "donated": kv.is_deleted(),
-        "same_sharding": new_kv.sharding == kv.sharding,
+        "donated": kv.pages.is_deleted(),
+        "same_sharding": new_kv.pages.sharding == kv.pages.sharding,
     }
 
 

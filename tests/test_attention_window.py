@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from ksana_jax.kv_cache import float_kv
 from ksana_jax.pallas_kernels import (
     paged_attention_gpu,
     ragged_paged_attention_cpu,
@@ -119,7 +120,7 @@ def make_batch(rows, spec, *, num_kv_heads, group, head_dim, seed=0, bad_page_id
         normal(NUM_TOKENS, num_heads, head_dim),
         normal(NUM_TOKENS, num_kv_heads, head_dim),
         normal(NUM_TOKENS, num_kv_heads, head_dim),
-        jnp.asarray(kv),
+        float_kv(jnp.asarray(kv)),
         jnp.int32(1),
         jnp.asarray(page_table),
         jnp.asarray(seq_lens),
@@ -174,7 +175,8 @@ def test_bf16_kv_with_window_and_softcap():
     spec = SPECS["window20_softcap"]
     for backend in ("cpu", "xla"):
         args = list(make_batch(SCENARIOS["mixed"], spec, num_kv_heads=2, group=1, head_dim=64))
-        args[1:4] = [a.astype(jnp.bfloat16) for a in args[1:4]]
+        args[1:3] = [a.astype(jnp.bfloat16) for a in args[1:3]]
+        args[3] = float_kv(args[3].pages.astype(jnp.bfloat16))
         want = np.asarray(reference.ragged_paged_attention(*args, spec=spec))
         got = np.asarray(BACKENDS[backend](*args, spec=spec))
         np.testing.assert_allclose(got, want, rtol=0, atol=3e-2, err_msg=backend)

@@ -237,7 +237,7 @@ def test_stream_and_chat(tiny_model):
 def test_bfloat16_engine_keeps_a_float16_kv_on_cpu(tiny_model):
     llm = LLM(tiny_model, warm_up=False, dtype="bfloat16", **BASE)
     assert llm.model.dtype == "bfloat16" and tiny_model.dtype == "float32"
-    assert llm.engine.runner.kv.dtype == jax.numpy.float16  # see kv_cache.resolve_kv_dtype
+    assert llm.engine.runner.kv.pages.dtype == jax.numpy.float16  # see kv_cache.resolve_kv_dtype
     out = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [12, 12, 12]
     # The TPU kernel (interpreted here) keeps bfloat16: Mosaic loads no float16 vectors.
@@ -245,7 +245,7 @@ def test_bfloat16_engine_keeps_a_float16_kv_on_cpu(tiny_model):
     tpu = LLM(
         tiny_model, warm_up=False, dtype="bfloat16", attention_backend="pallas_tpu", **tpu_config
     )
-    assert tpu.engine.runner.kv.dtype == jax.numpy.bfloat16
+    assert tpu.engine.runner.kv.pages.dtype == jax.numpy.bfloat16
 
 
 def test_pinned_kv_layout_path_generates_the_same_tokens(tiny_model, monkeypatch):
@@ -273,12 +273,12 @@ def test_pinned_kv_layout_path_generates_the_same_tokens(tiny_model, monkeypatch
     assert step_runner.step is not runner.engine_step
     # one pinned step per format: a second engine shares it, and compile_count counts once
     assert LLM(tiny_model, warm_up=False, **config).engine.runner.step is step_runner.step
-    kv = step_runner.kv
+    kv = step_runner.kv.pages
     assert kv.format.layout.major_to_minor == tuple(range(6))
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == want
     assert kv.is_deleted()  # donated to the first step
-    assert step_runner.kv.format.layout.major_to_minor == tuple(range(6))
+    assert step_runner.kv.pages.format.layout.major_to_minor == tuple(range(6))
     assert compile_count() > before
 
 

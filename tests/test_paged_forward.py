@@ -81,7 +81,7 @@ def test_padding_tokens_never_touch_owned_pages():
     kv = allocate_kv(KVCacheSpec.for_model(CFG, 12, PAGE, "float32"))
     inputs = build_step_inputs([SequenceChunk(PROMPT[:5], 0, [3, 4])], PAGE, 16, 2, 2)
     _, kv = logits_step(PARAMS, CFG, kv, inputs, jnp.zeros(1, jnp.int32))
-    kv = np.asarray(kv)
+    kv = np.asarray(kv.pages)
     written = np.zeros(kv.shape[3:5], bool)  # [num_pages, page_size]
     written[3, :] = True
     written[4, 0] = True
@@ -115,8 +115,8 @@ def test_step_donates_kv_and_holds_no_second_copy(dtype, backend, num_tokens, nu
     assert stats.temp_size_in_bytes < spec.nbytes // 4, stats
     assert stats.output_size_in_bytes - stats.alias_size_in_bytes < spec.nbytes // 4, stats
     _, new_kv = compiled(params, kv, inputs, idx)
-    assert kv.is_deleted()  # donated: the caller's buffer was consumed
-    assert new_kv.shape == spec.shape
+    assert kv.pages.is_deleted()  # donated: the caller's buffer was consumed
+    assert new_kv.pages.shape == spec.shape
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

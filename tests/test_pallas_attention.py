@@ -34,6 +34,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from ksana_jax import pallas_kernels
+from ksana_jax.kv_cache import float_kv
 from ksana_jax.pallas_kernels import (
     paged_attention_gpu,
     paged_attention_gpu_launches,
@@ -127,7 +128,7 @@ def make_batch(
         jnp.asarray(normal(NUM_TOKENS, num_heads, head_dim)),
         jnp.asarray(normal(NUM_TOKENS, num_kv_heads, head_dim), dtype),
         jnp.asarray(normal(NUM_TOKENS, num_kv_heads, head_dim), dtype),
-        jnp.asarray(kv, dtype),
+        float_kv(jnp.asarray(kv, dtype)),
         jnp.int32(LAYER),
         jnp.asarray(page_table),
         jnp.asarray(seq_lens),
@@ -288,7 +289,7 @@ def test_gpu_mixed_batch_runs_decode_rows_in_small_tiles():
     assert paged_attention_gpu_launches.decode_block_q(4) == 4
     q, kv, page_table = args[0], args[3], args[5]
     plan = paged_attention_gpu_launches.plan_launches(
-        q.shape, kv.shape, kv.dtype, page_table.shape, block_q=16, num_kv_splits=2
+        q.shape, kv.pages.shape, kv.pages.dtype, page_table.shape, block_q=16, num_kv_splits=2
     )
     assert [(p.new_tokens, p.tuning.block_q, p.tuning.num_kv_splits) for p in plan] == [
         ((-1, 4), 4, 2),

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from ksana_jax.kv_cache import KVCache, KVCacheSpec, abstract_kv
 from ksana_jax.pallas_kernels import (
     paged_attention_gpu,
     ragged_paged_attention_tpu,
@@ -34,6 +35,11 @@ NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ = 128, 16, 64  # a mixed bucket, contexts up
 TRITON = [jax.export.DisabledSafetyCheck.custom_call(paged_attention_gpu.TRITON_CUSTOM_CALL)]
 
 
+def kv_sds(shape, dtype) -> KVCache:
+    """The abstract KVCache of float pages of `shape` (placeholder scales)."""
+    return abstract_kv(KVCacheSpec(shape[0], shape[2], shape[3], shape[4], shape[5], dtype))
+
+
 def attention_args(
     num_layers, num_heads, num_kv_heads, head_dim, dtype, pages_per_seq=PAGES_PER_SEQ
 ):
@@ -42,7 +48,7 @@ def attention_args(
         sds((NUM_TOKENS, num_heads, head_dim), jnp.float32),
         sds((NUM_TOKENS, num_kv_heads, head_dim), dtype),
         sds((NUM_TOKENS, num_kv_heads, head_dim), dtype),
-        sds((num_layers, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), dtype),
+        kv_sds((num_layers, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), dtype),
         sds((), jnp.int32),
         sds((NUM_SEQS, pages_per_seq), jnp.int32),
         sds((NUM_SEQS,), jnp.int32),
@@ -53,7 +59,7 @@ def attention_args(
 def write_args(num_layers, num_kv_heads, head_dim, dtype):
     sds = jax.ShapeDtypeStruct
     return (
-        sds((num_layers, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), dtype),
+        kv_sds((num_layers, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), dtype),
         sds((num_layers, 2, NUM_TOKENS, num_kv_heads, head_dim), dtype),
         sds((NUM_TOKENS,), jnp.int32),
     )
@@ -154,7 +160,7 @@ def test_kv_write_lowers_with_the_kv_aliased(
 def test_layer_kv_write_lowers_with_the_kv_aliased(writer, platform):
     """The one-layer write the model does before each layer's attention (SmolLM2, bf16)."""
     sds = jax.ShapeDtypeStruct
-    kv = sds((30, 2, 3, NUM_PAGES, PAGE_SIZE, 64), jnp.bfloat16)
+    kv = kv_sds((30, 2, 3, NUM_PAGES, PAGE_SIZE, 64), jnp.bfloat16)
     k_new = sds((NUM_TOKENS, 3, 64), jnp.bfloat16)
     slots = sds((NUM_TOKENS,), jnp.int32)
     layer = sds((), jnp.int32)
@@ -197,7 +203,7 @@ def test_engine_step_lowers_for_cuda_without_a_while_loop(tmp_path, monkeypatch)
             params, model.config, kv, state, buffers, layout, config.max_logprobs, "pallas_gpu"
         )
 
-    kv = jax.ShapeDtypeStruct(step_runner.kv.shape, step_runner.kv.dtype)
+    kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), step_runner.kv)
     # Traced as on a GPU: the model picks compiled kernels, not the interpreter.
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     exported = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=TRITON)(

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from ksana_jax.kv_cache import float_kv
 from ksana_jax.pallas_kernels import reference, write_kv_pages_gpu, write_kv_pages_tpu
 
 NUM_LAYERS, NUM_KV_HEADS, NUM_PAGES, PAGE_SIZE, HEAD_DIM = 3, 2, 12, 16, 64
@@ -39,15 +40,15 @@ def make_write(dtype, seed=0):
     assert slots.shape == (NUM_TOKENS,)
     new_kv = rng.standard_normal((NUM_LAYERS, 2, NUM_TOKENS, NUM_KV_HEADS, HEAD_DIM))
     new_kv[:, :, -4:] = new_kv[:, :, -1:]
-    return jnp.asarray(kv, dtype), jnp.asarray(new_kv, dtype), jnp.asarray(slots)
+    return float_kv(jnp.asarray(kv, dtype)), jnp.asarray(new_kv, dtype), jnp.asarray(slots)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("writer", sorted(WRITERS))
 def test_write_matches_reference(writer, dtype, capsys):
     kv, new_kv, slots = make_write(dtype)
-    want = np.asarray(reference.write_kv_pages(kv, new_kv, slots).astype(jnp.float32))
-    got = np.asarray(WRITERS[writer](kv, new_kv, slots).astype(jnp.float32))
+    want = np.asarray(reference.write_kv_pages(kv, new_kv, slots).pages.astype(jnp.float32))
+    got = np.asarray(WRITERS[writer](kv, new_kv, slots).pages.astype(jnp.float32))
     np.testing.assert_array_equal(got, want)  # NaN == NaN here: untouched slots stay NaN
     assert "RACE DETECTED" not in capsys.readouterr().out
 
@@ -57,10 +58,10 @@ def test_write_under_a_donating_jit(writer):
     """How the engine calls it: the KV donated to the step; a second write sees the first."""
     kv, new_kv, slots = make_write(jnp.float32, seed=1)
     want = reference.write_kv_pages(kv, new_kv, slots)
-    want = np.asarray(reference.write_kv_pages(want, -new_kv, slots[::-1]))
+    want = np.asarray(reference.write_kv_pages(want, -new_kv, slots[::-1]).pages)
     step = jax.jit(WRITERS[writer], donate_argnums=0)
     got = step(step(kv, new_kv, slots), -new_kv, slots[::-1])
-    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(got.pages), want)
 
 
 def test_mixed_dtypes_are_cast_to_the_kv_dtype():
@@ -68,9 +69,9 @@ def test_mixed_dtypes_are_cast_to_the_kv_dtype():
     want = reference.write_kv_pages(kv, new_kv.astype(jnp.float32), slots)
     for writer in ("tpu", "gpu"):
         got = WRITERS[writer](kv, new_kv.astype(jnp.float32), slots)
-        assert got.dtype == jnp.bfloat16
+        assert got.pages.dtype == jnp.bfloat16
         np.testing.assert_array_equal(
-            np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+            np.asarray(got.pages.astype(jnp.float32)), np.asarray(want.pages.astype(jnp.float32))
         )
 
 
@@ -87,11 +88,11 @@ def test_layer_write_matches_reference(writer, dtype):
     index is a Python int here and traced under jit (one compile for all layers)."""
     kv, new_kv, slots = make_write(dtype)
     k_new, v_new = new_kv[1, 0], new_kv[1, 1]
-    want = reference.write_layer_kv(kv, 1, k_new, v_new, slots).astype(jnp.float32)
-    got = LAYER_WRITERS[writer](kv, 1, k_new, v_new, slots).astype(jnp.float32)
+    want = reference.write_layer_kv(kv, 1, k_new, v_new, slots).pages.astype(jnp.float32)
+    got = LAYER_WRITERS[writer](kv, 1, k_new, v_new, slots).pages.astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     traced = jax.jit(LAYER_WRITERS[writer])(kv, jnp.int32(1), k_new, v_new, slots)
-    np.testing.assert_array_equal(np.asarray(traced.astype(jnp.float32)), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(traced.pages.astype(jnp.float32)), np.asarray(want))
 
 
 @pytest.mark.parametrize("writer", sorted(LAYER_WRITERS))
@@ -108,8 +109,8 @@ def test_write_rejects_bad_shapes(module):
         module.write_kv_pages(kv, new_kv[:, :, :, :1], slots)
     with pytest.raises(ValueError, match="slot_ids must be"):
         module.write_kv_pages(kv, new_kv, slots[:-1])
-    with pytest.raises(ValueError, match="kv must be"):
-        module.write_kv_pages(kv[0], new_kv, slots)
+    with pytest.raises(ValueError, match=r"kv\.pages must be"):
+        module.write_kv_pages(float_kv(kv.pages[0]), new_kv, slots)
 
 
 @pytest.mark.tpu
@@ -121,6 +122,6 @@ def test_compiled_write_on_device():
         pytest.skip(f"needs a TPU or GPU, running on {platform}")
     for dtype in (jnp.float32, jnp.bfloat16):
         kv, new_kv, slots = make_write(dtype)
-        want = reference.write_kv_pages(kv, new_kv, slots).astype(jnp.float32)
+        want = reference.write_kv_pages(kv, new_kv, slots).pages.astype(jnp.float32)
         got = jax.jit(modules[platform].write_kv_pages, donate_argnums=0)(kv, new_kv, slots)
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(got.pages.astype(jnp.float32)), np.asarray(want))

@@ -7,6 +7,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from ksana_jax.kv_cache import float_kv
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.pallas_kernels.reference import ragged_paged_attention, write_kv_pages
 
@@ -27,7 +28,7 @@ def attend(q, k_new, v_new, kv, page_table, seq_lens, query_starts, spec=None):
             f32(q),
             f32(k_new),
             f32(v_new),
-            jnp.asarray(kv),
+            float_kv(jnp.asarray(kv)),
             jnp.int32(0),
             jnp.asarray(page_table, jnp.int32),
             jnp.asarray(seq_lens, jnp.int32),
@@ -118,7 +119,8 @@ def test_write_kv_pages_touches_only_the_given_slots():
     kv = jnp.zeros((2, 2, 1, 3, 2, 2), jnp.float32)  # [L, 2, K, pages, page_size, H]
     k = np.array([[[1.0, 2.0]], [[3.0, 4.0]]])  # [T=2, K=1, H=2]
     new_kv = np.stack([np.stack([k, -k]), np.stack([10 * k, -10 * k])])  # [L, 2, T, K, H]
-    out = np.asarray(write_kv_pages(kv, jnp.asarray(new_kv, jnp.float32), jnp.array([5, 2])))
+    out = write_kv_pages(float_kv(kv), jnp.asarray(new_kv, jnp.float32), jnp.array([5, 2]))
+    out = np.asarray(out.pages)
     expected = np.zeros(out.shape, np.float32)
     for layer, scale in ((0, 1.0), (1, 10.0)):
         expected[layer, 0, 0, 2, 1], expected[layer, 1, 0, 2, 1] = scale * k[0, 0], -scale * k[0, 0]

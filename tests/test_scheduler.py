@@ -473,8 +473,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         advanced = self.sched.update_from_output(
             out, [sampled_token(c.request) if c.samples else -1 for c in out.chunks]
         )
-        assert [r for _, r in advanced] == [c.request for c in chunks]
-        for (_, r), token in zip(advanced, tokens, strict=True):
+        assert [r for _, r, _ in advanced] == [c.request for c in chunks]
+        for (_, r, _), token in zip(advanced, tokens, strict=True):
             self.expected_out[r.request_id].append(token)
             if r.is_finished:
                 assert r.finish_reason == "length"

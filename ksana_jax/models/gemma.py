@@ -42,6 +42,7 @@ from ksana_jax.config import (
     hf_common_fields,
     rope_from_parameters,
 )
+from ksana_jax.kv_cache import KVCache
 from ksana_jax.models import llama
 from ksana_jax.models.layers import embed_rows, gated_mlp, linear, rms_norm, softcap
 from ksana_jax.models.registry import Family, Params
@@ -264,10 +265,10 @@ def from_gguf(hf_name: str, value: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 def forward(
     params: Params,
     cfg: ModelConfig,
-    kv: jax.Array,
+    kv: KVCache,
     inputs: StepInputs,
     backend: str = "reference",
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, KVCache]:
     """One ragged step (arguments as llama.forward): final-norm hidden f32[T, D] and kv."""
     embed = params["embed"]
     # transformers multiplies in the parameter dtype by sqrt(D) rounded to it.

@@ -16,7 +16,7 @@ import numpy as np
 
 from ksana_jax import pallas_kernels, quant
 from ksana_jax.config import ModelConfig
-from ksana_jax.kv_cache import to_kv_dtype
+from ksana_jax.kv_cache import KVCache, to_kv_dtype
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.step_inputs import StepInputs
 
@@ -144,13 +144,13 @@ def attention_specs(cfg: ModelConfig) -> tuple[AttentionSpec, ...]:
 def paged_attention(
     cfg: ModelConfig,
     inputs: StepInputs,
-    kv: jax.Array,
+    kv: KVCache,
     layer_index: int,
     q: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
     backend: str,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, KVCache]:
     """Writes this step's K/V of one layer into the pages, then attends: q f32[T, N, H],
     k_new/v_new f32[T, K, H] -> (f32[T, N, H], kv).
 
@@ -159,11 +159,17 @@ def paged_attention(
     reads before the next layer's write, so XLA updates the donated KV in place; reading
     first and writing after lets it schedule the write early and copy the whole array.
     """
-    # Round through the KV dtype so this step attends to exactly what later steps will read.
-    k_new, v_new = to_kv_dtype(k_new, kv.dtype), to_kv_dtype(v_new, kv.dtype)
+    # Round through the KV dtype so this step attends to exactly what later steps will read:
+    # float pages are written in their dtype; quantized ones are written from float (the
+    # writer quantizes), then attention gets the same rows quantized and dequantized.
+    dtype = kv.pages.dtype
+    if not kv.quantized:
+        k_new, v_new = to_kv_dtype(k_new, dtype), to_kv_dtype(v_new, dtype)
     interpret = pallas_kernels.get_backend(backend).interpreted_here()
     write = pallas_kernels.get_layer_kv_writer(backend, interpret)
     kv = write(kv, layer_index, k_new, v_new, inputs.slot_ids)
+    if kv.quantized:
+        k_new, v_new = to_kv_dtype(k_new, dtype), to_kv_dtype(v_new, dtype)
     out = pallas_kernels.get_attention(backend, interpret)(
         q,
         k_new,

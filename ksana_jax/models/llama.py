@@ -36,6 +36,7 @@ from ksana_jax.config import (
     hf_common_fields,
     require_value,
 )
+from ksana_jax.kv_cache import KVCache
 from ksana_jax.models.layers import (
     apply_rope,
     embed_rows,
@@ -249,13 +250,13 @@ def from_gguf(hf_name: str, value: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 def attention_block(
     cfg: ModelConfig,
     inputs: StepInputs,
-    kv: jax.Array,
+    kv: KVCache,
     x: jax.Array,
     layer_index: int,
     layer: LayerParams,
     backend: str,
     norm_offset: float = 0.0,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, KVCache]:
     """Projections, optional q/k norm, rotary and paged attention of normed x f32[T, D] ->
     the attention output projected back f32[T, D], and kv with this layer's K/V written.
     `norm_offset` is the q/k norms' (1.0 for Gemma's (1 + w) norms)."""
@@ -277,16 +278,16 @@ def attention_block(
 def forward(
     params: Params,
     cfg: ModelConfig,
-    kv: jax.Array,
+    kv: KVCache,
     inputs: StepInputs,
     backend: str = "reference",
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, KVCache]:
     """One ragged step.
 
     Args:
       params: the model weights (registry.Params).
       cfg: static model configuration.
-      kv: [L, 2, K, num_pages, page_size, H] paged KV (see kv_cache.py).
+      kv: the paged KV cache (kv_cache.KVCache: pages and scales).
       inputs: the step's tokens and page tables (T tokens, S sequences).
       backend: attention backend, "reference" | "cpu" | "xla" | "pallas_tpu" | "pallas_gpu"
         (a Pallas backend on CPU runs in interpret mode: tests only).

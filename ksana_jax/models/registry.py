@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ksana_jax.config import ModelConfig
+from ksana_jax.kv_cache import KVCache
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.step_inputs import StepInputs
 
@@ -62,7 +63,7 @@ class Family:
     gguf_top: Mapping[str, str | None]  # GGUF name -> HF name; None: read by the config
     gguf_layer: Mapping[str, str]  # per-layer GGUF name -> per-layer HF name
     # (params, cfg, kv, inputs, backend) -> (final hidden f32[T, D], kv)
-    forward: Callable[..., tuple[jax.Array, jax.Array]]
+    forward: Callable[..., tuple[jax.Array, KVCache]]
     logits: Callable[[Params, ModelConfig, jax.Array], jax.Array]  # hidden [R, D] -> [R, V]
     # An HF tensor name as written in the checkpoint -> its name in hf_top / hf_layer terms,
     # or None for a tensor to skip (a multimodal checkpoint's vision tower).
@@ -240,10 +241,10 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> Para
 def forward(
     params: Params,
     cfg: ModelConfig,
-    kv: jax.Array,
+    kv: KVCache,
     inputs: StepInputs,
     backend: str = "reference",
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, KVCache]:
     """One ragged step of `cfg`'s family: final hidden states f32[T, D] and the updated kv
     [L, 2, K, num_pages, page_size, H]; `backend` is the attention backend's name."""
     return family_of(cfg.model_type).forward(params, cfg, kv, inputs, backend)

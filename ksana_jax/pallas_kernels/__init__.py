@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable
 import jax
 import numpy as np
 
-from ksana_jax.config import KV_CACHE_DTYPES, SUPPORTED_DTYPES, AttentionBackendName
+from ksana_jax.config import KV_CACHE_QUANTIZED, SUPPORTED_DTYPES, AttentionBackendName
 from ksana_jax.pallas_kernels import reference
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec, refuse_unsupported
 from ksana_jax.sharding import shard_over_heads
@@ -60,7 +60,9 @@ AttentionFn = Callable[..., jax.Array]
 KVWriteFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 LayerKVWriteFn = Callable[..., jax.Array]
 
-_CONCRETE_KV_DTYPES = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
+# KV page dtypes by their numpy names (kv_cache.resolve_kv_dtype's results).
+_FLOAT_KV_DTYPES = ("float32", "bfloat16", "float16")
+_CONCRETE_KV_DTYPES = (*_FLOAT_KV_DTYPES, *dict.fromkeys(KV_CACHE_QUANTIZED.values()))
 # What every backend implements today (AttentionSpec.features() names a spec's).
 _WINDOW_AND_SOFTCAP = ("sliding_window", "logit_softcap")
 
@@ -150,11 +152,18 @@ class AttentionBackend:
             raise ValueError(
                 f"attention_backend={self.name!r} takes dtype {self.dtypes}, got {dtype}"
             )
-        self._check_kernel_layout(kv_shape, kv_dtype, num_heads)  # the kernels' own reasons
         kv_name = np.dtype(kv_dtype).name
+        if kv_name not in _FLOAT_KV_DTYPES:  # a quantized KV first, then the kernels' reasons
+            self._check_kv_dtype(kv_name)
+        self._check_kernel_layout(kv_shape, kv_dtype, num_heads)
+        self._check_kv_dtype(kv_name)
+
+    def _check_kv_dtype(self, kv_name: str) -> None:
         if kv_name not in self.kv_dtypes:
+            aliases = [k for k, v in KV_CACHE_QUANTIZED.items() if v == kv_name]
+            asked = f"kv_cache_dtype={aliases[0]!r} ({kv_name})" if aliases else kv_name
             raise ValueError(
-                f"attention_backend={self.name!r} cannot read a {kv_name} KV cache; "
+                f"attention_backend={self.name!r} cannot read a {asked} KV cache; "
                 f"kv_cache_dtype may be one of {self.kv_dtypes}"
             )
 
@@ -225,7 +234,8 @@ BACKENDS: dict[str, AttentionBackend] = {
             _KERNELS + "ragged_paged_attention_tpu",
             _KERNELS + "write_kv_pages_tpu",
             ("tpu",),
-            kv_dtypes=("float32", "bfloat16"),  # Mosaic loads no float16 vectors
+            # Mosaic loads no float16 vectors; quantized pages: not implemented in the kernel
+            kv_dtypes=("float32", "bfloat16"),
             interpret_on_cpu=True,
         ),
         AttentionBackend(
@@ -233,6 +243,7 @@ BACKENDS: dict[str, AttentionBackend] = {
             _KERNELS + "paged_attention_gpu",
             _KERNELS + "write_kv_pages_gpu",
             ("gpu", "cuda", "rocm"),
+            kv_dtypes=_FLOAT_KV_DTYPES,  # quantized pages: not implemented in the kernel
             interpret_on_cpu=True,
             min_cuda_capability=8,  # XLA compiles Triton from Ampere on
         ),

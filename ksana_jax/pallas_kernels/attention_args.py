@@ -6,12 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ksana_jax.kv_cache import KVCache
+
 
 def validate_attention_args(
     q: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    kv: jax.Array,
+    kv: KVCache,
     layer_index: jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
@@ -21,8 +23,8 @@ def validate_attention_args(
     if q.ndim != 3:
         raise ValueError(f"q must be [T, N, H], got shape {q.shape}")
     num_tokens, num_heads, head_dim = q.shape
-    if kv.ndim != 6 or kv.shape[1] != 2:
-        raise ValueError(f"kv must be [L, 2, K, num_pages, page_size, H], got shape {kv.shape}")
+    _validate_kv(kv)
+    kv = kv.pages
     num_kv_heads = kv.shape[2]
     if k_new.shape != (num_tokens, num_kv_heads, head_dim) or v_new.shape != k_new.shape:
         raise ValueError(
@@ -53,11 +55,29 @@ def validate_attention_args(
         raise ValueError(f"layer_index must be a scalar, got shape {layer_index.shape}")
 
 
-def validate_write_args(kv: jax.Array, new_kv: jax.Array, slot_ids: jax.Array) -> None:
-    """Checks `write_kv_pages(kv [L, 2, K, num_pages, page_size, H], new_kv [L', 2, T, K, H],
-    slot_ids i32[T])`; L' is L (every layer) or 1 (one layer's write)."""
-    if kv.ndim != 6 or kv.shape[1] != 2:
-        raise ValueError(f"kv must be [L, 2, K, num_pages, page_size, H], got shape {kv.shape}")
+def _validate_kv(kv: KVCache) -> None:
+    """Pages [L, 2, K, num_pages, page_size, H]; scales f32 [L, 2, K, num_pages, page_size]
+    when quantized, else [L, 2, K, 1, 1]."""
+    if not isinstance(kv, KVCache):
+        raise ValueError(f"kv must be a kv_cache.KVCache, got {type(kv).__name__}")
+    pages, scales = kv.pages, kv.scales
+    if pages.ndim != 6 or pages.shape[1] != 2:
+        raise ValueError(
+            f"kv.pages must be [L, 2, K, num_pages, page_size, H], got shape {pages.shape}"
+        )
+    rows = pages.shape[3:5] if kv.quantized else (1, 1)
+    if scales.shape != (*pages.shape[:3], *rows) or scales.dtype != jnp.float32:
+        raise ValueError(
+            f"kv.scales must be f32{[*pages.shape[:3], *rows]} for {pages.dtype} pages, "
+            f"got {scales.dtype}{list(scales.shape)}"
+        )
+
+
+def validate_write_args(kv: KVCache, new_kv: jax.Array, slot_ids: jax.Array) -> None:
+    """Checks `write_kv_pages(kv (pages [L, 2, K, num_pages, page_size, H]), new_kv [L', 2,
+    T, K, H], slot_ids i32[T])`; L' is L (every layer) or 1 (one layer's write)."""
+    _validate_kv(kv)
+    kv = kv.pages
     num_layers, _, num_kv_heads, _, _, head_dim = kv.shape
     if (
         new_kv.ndim != 5

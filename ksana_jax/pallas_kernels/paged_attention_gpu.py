@@ -69,6 +69,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ksana_jax.kv_cache import KVCache
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.pallas_kernels.paged_attention_gpu_launches import (
@@ -344,6 +345,9 @@ def _attention_kernel(
 
 def _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts):
     validate_attention_args(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
+    if kv.quantized:
+        raise ValueError(f"the pallas_gpu kernel reads float KV pages, got {kv.pages.dtype}")
+    kv = kv.pages
     kv_layout(
         num_layers=kv.shape[0],
         num_kv_heads=kv.shape[2],
@@ -383,7 +387,7 @@ def ragged_paged_attention(
     q: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    kv: jax.Array,
+    kv: KVCache,
     layer_index: jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
@@ -401,8 +405,8 @@ def ragged_paged_attention(
     """Causal GQA of a ragged batch over cached pages and new tokens (Pallas GPU kernel).
 
     Args: as `reference.ragged_paged_attention` (q [T, N, H], k_new/v_new [T, K, H],
-      kv [L, 2, K, num_pages, page_size, H], layer_index i32[], page_table i32[S, P],
-      seq_lens i32[S], query_starts i32[S+1], spec), plus tuning (each one not named
+      kv (float pages [L, 2, K, num_pages, page_size, H]), layer_index i32[], page_table
+      i32[S, P], seq_lens i32[S], query_starts i32[S+1], spec), plus tuning (each one not named
       comes from `plan_launches`):
       block_q: tokens per query tile, a power of two; with two launches, of the long rows'
         tiles (the short rows' are decode_block_q tokens).
@@ -415,6 +419,7 @@ def ragged_paged_attention(
     """
     layer_index = jnp.asarray(layer_index)
     _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
+    kv = kv.pages
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = kv.shape[2], kv.shape[4]
     num_seqs, max_pages = page_table.shape

@@ -24,6 +24,12 @@
 // window are skipped, not masked), so NaN there is harmless. Every row's page ids (from its
 // first window page on), cached length and query offsets are checked before anything is
 // read.
+//
+// Quantized pages (int8, float8_e4m3fn) carry a float32 scale per row beside them
+// (`scales` [L, 2, K, num_pages, page_size]); phase 1 dequantizes value * scale while
+// converting the tile to float32. The step's own k_new / v_new come as float32 then (the
+// model hands attention those rows already quantized and dequantized). Float pages ignore
+// `scales` (a placeholder) and take k_new / v_new in their own dtype.
 
 #include <algorithm>
 #include <atomic>
@@ -82,10 +88,38 @@ inline float f16_to_f32(uint16_t h) {
   return f;
 }
 
-enum class Kind { kF32, kBF16, kF16 };
+// float8_e4m3fn to float32: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+// subnormal (m / 8 * 2^-6); S.1111.111 is NaN; no infinities.
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int exponent = (b >> 3) & 0xf, mantissa = b & 7;
+      float v = exponent == 0 ? std::ldexp(mantissa / 8.0f, -6)
+                              : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+      if (exponent == 0xf && mantissa == 7) v = NAN;
+      value[b] = (b & 0x80) ? -v : v;
+    }
+  }
+};
+const Fp8Table kFp8;
 
-inline void load_row(Kind kind, const void* src, float* dst, int n) {
+enum class Kind { kF32, kBF16, kF16, kI8, kF8E4M3 };
+
+// Row of n values at src as float32, times `scale` for the quantized kinds.
+inline void load_row(Kind kind, const void* src, float* dst, int n, float scale = 1.0f) {
   switch (kind) {
+    case Kind::kI8: {
+      const int8_t* s = static_cast<const int8_t*>(src);
+#pragma omp simd
+      for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]) * scale;
+      return;
+    }
+    case Kind::kF8E4M3: {
+      const uint8_t* s = static_cast<const uint8_t*>(src);
+      for (int i = 0; i < n; ++i) dst[i] = kFp8.value[s[i]] * scale;
+      return;
+    }
     case Kind::kF32:
       std::memcpy(dst, src, n * sizeof(float));
       return;
@@ -131,12 +165,13 @@ inline float exp_nonpositive(float x) {
 }
 
 struct Problem {
-  Kind kind;
-  size_t itemsize;
+  Kind kind, new_kind;          // of the pages; of k_new / v_new
+  size_t itemsize, new_itemsize;
   const float* q;               // [T, N, H]
   const char* k_new;            // [T, K, H]
   const char* v_new;            // [T, K, H]
   const char* kv;               // [L, 2, K, num_pages, page_size, H]
+  const float* scales;          // [L, 2, K, num_pages, page_size] (quantized), else null
   int64_t layer;
   const int32_t* page_table;    // [S, P]
   const int32_t* seq_lens;      // [S]
@@ -202,16 +237,19 @@ void attend(const Problem& pb, const Item& item) {
   }
   const int32_t last = item.last;
 
-  auto source = [&](int32_t pos, int which) -> const char* {  // which: 0 keys, 1 values
+  // Position pos's keys (which 0) or values (1) into dst [H] as float32.
+  auto load_position = [&](int32_t pos, int which, float* dst) {
     if (pos < num_cached) {
       const int64_t page = table[pos / pb.page_size];
-      const int64_t elem =
-          (which ? values_base : keys_base) + page * page_elems + (pos % pb.page_size) * H;
-      return pb.kv + elem * pb.itemsize;
+      const int64_t row = (which ? values_base : keys_base) / H + page * pb.page_size +
+                          pos % pb.page_size;  // the row's index among [L, 2, K, pages, ps]
+      const float scale = pb.scales != nullptr ? pb.scales[row] : 1.0f;
+      load_row(pb.kind, pb.kv + row * H * pb.itemsize, dst, H, scale);
+      return;
     }
     const int64_t token = start + (pos - num_cached);
     const char* base = which ? pb.v_new : pb.k_new;
-    return base + ((token * K + item.kv_head) * H) * pb.itemsize;
+    load_row(pb.new_kind, base + ((token * K + item.kv_head) * H) * pb.new_itemsize, dst, H);
   };
 
   // Soft-cap, online softmax and value update of query i with the scaled scores
@@ -258,8 +296,8 @@ void attend(const Problem& pb, const Item& item) {
     const int width = std::min<int32_t>(kTile, last + 1 - tile_start);
     // Phase 1: this tile's keys and values, in float32.
     for (int j = 0; j < width; ++j) {
-      load_row(pb.kind, source(tile_start + j, 0), keys + j * H, H);
-      load_row(pb.kind, source(tile_start + j, 1), values + j * H, H);
+      load_position(tile_start + j, 0, keys + j * H);
+      load_position(tile_start + j, 1, values + j * H);
     }
     // Phase 2: scores, then phase 3: absorb them.
     if (!transposed) {
@@ -350,7 +388,7 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb, const std::vector<Item>
 }
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
-                     ffi::AnyBuffer v_new, ffi::AnyBuffer kv,
+                     ffi::AnyBuffer v_new, ffi::AnyBuffer kv, ffi::Buffer<ffi::F32> scales,
                      ffi::Buffer<ffi::S32> layer_index, ffi::Buffer<ffi::S32> page_table,
                      ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_starts,
                      ffi::ResultBuffer<ffi::F32> out, float sm_scale,
@@ -360,11 +398,28 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
     case ffi::F32: pb.kind = Kind::kF32; pb.itemsize = 4; break;
     case ffi::BF16: pb.kind = Kind::kBF16; pb.itemsize = 2; break;
     case ffi::F16: pb.kind = Kind::kF16; pb.itemsize = 2; break;
+    case ffi::S8: pb.kind = Kind::kI8; pb.itemsize = 1; break;
+    case ffi::F8E4M3FN: pb.kind = Kind::kF8E4M3; pb.itemsize = 1; break;
     default:
-      return ffi::Error::InvalidArgument("kv must be float32, bfloat16 or float16");
+      return ffi::Error::InvalidArgument(
+          "kv must be float32, bfloat16, float16, int8 or float8_e4m3fn");
   }
-  if (k_new.element_type() != kv.element_type() || v_new.element_type() != kv.element_type())
-    return ffi::Error::InvalidArgument("k_new and v_new must have kv's dtype");
+  const bool quantized = pb.kind == Kind::kI8 || pb.kind == Kind::kF8E4M3;
+  const auto new_type = quantized ? ffi::F32 : kv.element_type();
+  if (k_new.element_type() != new_type || v_new.element_type() != new_type)
+    return ffi::Error::InvalidArgument(
+        "k_new and v_new must have a float kv's dtype, float32 for a quantized kv");
+  pb.new_kind = quantized ? Kind::kF32 : pb.kind;
+  pb.new_itemsize = quantized ? 4 : pb.itemsize;
+  pb.scales = nullptr;
+  if (quantized) {
+    const auto scale_dims = scales.dimensions();
+    const auto dims = kv.dimensions();
+    if (scale_dims.size() != 5 || scale_dims[0] != dims[0] || scale_dims[1] != 2 ||
+        scale_dims[2] != dims[2] || scale_dims[3] != dims[3] || scale_dims[4] != dims[4])
+      return ffi::Error::InvalidArgument("scales must be [L, 2, K, num_pages, page_size]");
+    pb.scales = scales.typed_data();
+  }
   const auto q_dims = q.dimensions();
   const auto kv_dims = kv.dimensions();
   pb.num_tokens = q_dims[0];
@@ -439,6 +494,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaRaggedPagedAttentionCpu, Attention,
                                   .Arg<ffi::AnyBuffer>()         // k_new
                                   .Arg<ffi::AnyBuffer>()         // v_new
                                   .Arg<ffi::AnyBuffer>()         // kv
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer_index
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_table
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens

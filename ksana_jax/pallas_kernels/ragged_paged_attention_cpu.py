@@ -6,7 +6,8 @@ XLA:CPU runs the jnp formulations of paged attention far below memory bandwidth 
 gather is an element loop, float16 converts element by element, and each (sequence, KV
 head) is its own small library product. The kernel streams each row's keys and values once
 per KV head, in tiles converted to float32, with an online softmax in float32, on XLA's
-intra-op threads.
+intra-op threads. Quantized pages (int8, float8_e4m3fn) are dequantized with their row
+scales as each tile is converted; the step's own k_new / v_new then come as float32.
 
 It is compiled at first use with the system C++ compiler (`$CXX`, default `g++`; flags
 `-O3 -march=native -fopenmp-simd`, no OpenMP runtime) into ~/.cache/ksana-jax/kernels (or
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from ksana_jax.kv_cache import KVCache
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
@@ -39,6 +41,7 @@ SOURCE = Path(__file__).with_suffix(".cc")
 TARGET = "ksana_ragged_paged_attention_cpu"
 _SYMBOL = "KsanaRaggedPagedAttentionCpu"
 MAX_HEAD_DIM, MAX_GROUP = 256, 16  # kMaxHeadDim, kMaxGroup in the .cc
+KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn")  # Kind in the .cc
 
 
 def _cache_dir() -> Path:
@@ -124,7 +127,7 @@ def ragged_paged_attention(
     q: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    kv: jax.Array,
+    kv: KVCache,
     layer_index: jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
@@ -137,16 +140,18 @@ def ragged_paged_attention(
     Returns: f32[T, N, H]; zeros for padding tokens."""
     layer_index = jnp.asarray(layer_index, jnp.int32)
     validate_attention_args(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
-    if kv.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise ValueError(f"kv dtype must be float32, bfloat16 or float16, got {kv.dtype}")
-    check_heads(q.shape[1], kv.shape[2], q.shape[2])
+    if kv.pages.dtype.name not in KV_DTYPES:
+        raise ValueError(f"kv dtype must be one of {KV_DTYPES}, got {kv.pages.dtype}")
+    check_heads(q.shape[1], kv.pages.shape[2], q.shape[2])
     _register()
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    new_dtype = jnp.float32 if kv.quantized else kv.pages.dtype
     return call(
         q.astype(jnp.float32),
-        k_new.astype(kv.dtype),
-        v_new.astype(kv.dtype),
-        kv,
+        k_new.astype(new_dtype),
+        v_new.astype(new_dtype),
+        kv.pages,
+        kv.scales,
         layer_index.reshape(()),
         page_table,
         seq_lens,

@@ -72,6 +72,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ksana_jax.kv_cache import KVCache
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.pallas_kernels.dma_pipeline_tpu import cdiv, double_buffered_rows_loop
@@ -366,6 +367,7 @@ def _attention_kernel(
 
 def _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts, block_q):
     validate_attention_args(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
+    kv = kv.pages
     kv_layout(
         num_layers=kv.shape[0],
         num_kv_heads=kv.shape[2],
@@ -415,7 +417,7 @@ def ragged_paged_attention(
     q: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    kv: jax.Array,
+    kv: KVCache,
     layer_index: jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
@@ -430,7 +432,7 @@ def ragged_paged_attention(
     """Causal GQA of a ragged batch over cached pages and new tokens (Pallas TPU kernel).
 
     Args: as `reference.ragged_paged_attention` (q [T, N, H], k_new/v_new [T, K, H],
-      kv [L, 2, K, num_pages, page_size, H], layer_index i32[], page_table i32[S, P],
+      kv (float pages [L, 2, K, num_pages, page_size, H]), layer_index i32[], page_table i32[S, P],
       seq_lens i32[S], query_starts i32[S+1], spec), plus tuning:
       block_q: tokens per query block, a multiple of the sublane tile (8; 16 for 16-bit
         K/V). Default: `default_block_q`.
@@ -440,10 +442,13 @@ def ragged_paged_attention(
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
     layer_index = jnp.asarray(layer_index)
+    if kv.quantized:
+        raise ValueError(f"the pallas_tpu kernel reads float KV pages, got {kv.pages.dtype}")
     if block_q is None:
-        tile = max(_sublane_tile(k_new.dtype), _sublane_tile(kv.dtype))
+        tile = max(_sublane_tile(k_new.dtype), _sublane_tile(kv.pages.dtype))
         block_q = default_block_q(q.shape[0], page_table.shape[0], tile)
     _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts, block_q)
+    kv = kv.pages
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = kv.shape[2], kv.shape[4]
     group = num_heads // num_kv_heads

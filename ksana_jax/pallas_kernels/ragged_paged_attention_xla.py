@@ -27,6 +27,9 @@ and values are [K, groups, chunk, H], a few MB, so the temporaries stay small en
 allocator to reuse step after step (XLA:CPU page-faults freshly mapped temporaries on every
 call, which dominates the oracle's time).
 
+Quantized pages (int8 / fp8) are dequantized with their row scales as each chunk is gathered
+(kv_cache.dequantize_rows) and enter the products as float32.
+
 Precision: with a float32 KV everything is float32 (equal to the oracle within rounding);
 with a 16-bit KV (float16 is the CPU's choice for bfloat16 models) queries, keys,
 probabilities and values enter the two products as bfloat16, accumulating in float32.
@@ -40,6 +43,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ksana_jax.kv_cache import KVCache, dequantize_rows
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
@@ -64,7 +68,7 @@ def _attend_groups(
     q: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    kv: jax.Array,
+    kv: KVCache,
     layer_index: jax.Array,
     rows: _Rows,
     group_rows: jax.Array,
@@ -78,14 +82,14 @@ def _attend_groups(
     Args:
       q: [G, B, N, H] queries, B slots per group.
       k_new, v_new: [T, K, H] the step's new keys and values.
-      kv, layer_index: the paged KV array and the layer to read.
+      kv, layer_index: the paged KV cache and the layer to read.
       rows: the step's rows.
       group_rows: i32[G] the row every group belongs to.
       positions: i32[G, B] sequence position of each query; -1 for an empty slot.
     Returns: f32[G, B, N, H]; zeros for empty slots.
     """
     num_groups, block_q, num_heads, head_dim = q.shape
-    num_kv_heads, page_size = kv.shape[2], kv.shape[4]
+    num_kv_heads, page_size = kv.pages.shape[2], kv.pages.shape[4]
     group = num_heads // num_kv_heads
     num_tokens = k_new.shape[0]
     pages_per_chunk = chunk // page_size
@@ -104,7 +108,7 @@ def _attend_groups(
     # With a 16-bit KV (a bfloat16 model's) the products take bfloat16 operands, as the
     # model's own matmuls do (XLA:CPU would compute a float16 dot in float32, from operands
     # twice the size); with a float32 KV they are float32. Accumulation is always float32.
-    dot_dtype = jnp.bfloat16 if jnp.dtype(kv.dtype).itemsize == 2 else jnp.float32
+    dot_dtype = jnp.bfloat16 if jnp.dtype(kv.pages.dtype).itemsize == 2 else jnp.float32
     # [K, G, B * group, H]: each KV head's queries, the group-heads of a token side by side.
     qg = q.astype(jnp.float32).reshape(num_groups, block_q, num_kv_heads, group, head_dim)
     qg = qg.transpose(2, 0, 1, 3, 4).reshape(num_kv_heads, num_groups, block_q * group, head_dim)
@@ -122,7 +126,9 @@ def _attend_groups(
 
         def read(kv_index, new):  # keys (0) or values (1) of the chunk: [K, G, C, H]
             # Gathered on their own, each fuses into its select instead of being stored.
-            cached = kv[layer_index, kv_index, :, pages]  # [G, pages_per_chunk, K, ps, H]
+            cached = kv.pages[layer_index, kv_index, :, pages]  # [G, pages_per_chunk, K, ps, H]
+            if kv.quantized:
+                cached = dequantize_rows(cached, kv.scales[layer_index, kv_index, :, pages])
             cached = cached.transpose(2, 0, 1, 3, 4).reshape(
                 num_kv_heads, num_groups, chunk, head_dim
             )
@@ -179,7 +185,7 @@ def ragged_paged_attention(
     q: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    kv: jax.Array,
+    kv: KVCache,
     layer_index: jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
@@ -200,7 +206,7 @@ def ragged_paged_attention(
     validate_attention_args(
         q, k_new, v_new, kv, jnp.asarray(layer_index), page_table, seq_lens, query_starts
     )
-    page_size = kv.shape[4]
+    page_size = kv.pages.shape[4]
     if chunk % page_size or chunk <= 0:
         raise ValueError(f"chunk={chunk} must be a positive multiple of page_size={page_size}")
     if block_q < 1:

@@ -7,6 +7,11 @@ and the step's own new keys, passed in directly as k_new/v_new. Slots a sequence
 and the slots of the step's own tokens, may hold anything, NaN included: masking selects
 with `where`, it never multiplies. Padding tokens (after query_starts[S]) produce zeros.
 
+The KV is a `kv_cache.KVCache`: pages and, for int8 / fp8 pages, a float32 scale per row.
+The writers quantize new rows on write (`kv_cache.quantize_rows`, given float K/V); attention
+dequantizes cached rows after the gather (`kv_cache.dequantize_rows`) and takes this step's
+k_new/v_new as they are (the model passes them quantized and dequantized already).
+
 Writing: `write_layer_kv` puts one layer's new K/V into its slots (the model does this just
 before that layer's attention, see `models.layers.paged_attention` for why); `write_kv_pages`
 does every layer at once, the oracle of the Pallas write kernels.
@@ -17,14 +22,35 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ksana_jax.kv_cache import KVCache, dequantize_rows, quantize_rows
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 
-def _scatter_slots(kv: jax.Array, index: tuple, new: jax.Array) -> jax.Array:
-    """kv[index] = new over the flattened slot axis [L, 2, K, num_pages * page_size, H]."""
-    num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv.shape
-    flat = kv.reshape(num_layers, 2, num_kv_heads, num_pages * page_size, head_dim)
-    return flat.at[index].set(new.astype(kv.dtype)).reshape(kv.shape)
+def _scatter_slots(x: jax.Array, index: tuple, new: jax.Array) -> jax.Array:
+    """x[index] = new over the flattened slot axis of pages [L, 2, K, num_pages * page_size,
+    H] (or of scales [L, 2, K, num_pages * page_size])."""
+    flat = x.reshape(*x.shape[:3], x.shape[3] * x.shape[4], *x.shape[5:])
+    return flat.at[index].set(new.astype(x.dtype)).reshape(x.shape)
+
+
+def _write_rows(kv: KVCache, index: tuple, new: jax.Array) -> KVCache:
+    """kv with rows new [..., H] at `index` of the slot-flattened pages; quantized pages get
+    the rows quantized and their scales written at the same index."""
+    if not kv.quantized:
+        return KVCache(_scatter_slots(kv.pages, index, new), kv.scales)
+    values, scales = quantize_rows(new, kv.pages.dtype)
+    return KVCache(
+        _scatter_slots(kv.pages, index, values), _scatter_slots(kv.scales, index, scales)
+    )
+
+
+def gather_layer_pages(kv: KVCache, layer_index, page_ids: jax.Array) -> jax.Array:
+    """Pages `page_ids` i32[...] of one layer, dequantized if quantized: [..., 2, K,
+    page_size, H] (the pages' dtype for float pages, float32 for quantized ones)."""
+    pages = kv.pages[layer_index, :, :, page_ids]  # [..., 2, K, page_size, H]
+    if not kv.quantized:
+        return pages
+    return dequantize_rows(pages, kv.scales[layer_index, :, :, page_ids])
 
 
 def _two_rows_at_least(slot_ids: jax.Array, new: jax.Array, axis: int):
@@ -39,29 +65,30 @@ def _two_rows_at_least(slot_ids: jax.Array, new: jax.Array, axis: int):
     return jnp.concatenate([slot_ids, jnp.zeros(1, slot_ids.dtype)]), jnp.pad(new, pad)
 
 
-def write_kv_pages(kv: jax.Array, new_kv: jax.Array, slot_ids: jax.Array) -> jax.Array:
-    """Scatters every layer's new K/V rows into their slots of the KV array.
+def write_kv_pages(kv: KVCache, new_kv: jax.Array, slot_ids: jax.Array) -> KVCache:
+    """Scatters every layer's new K/V rows into their slots of the KV cache.
 
     Args:
-      kv: [L, 2, K, num_pages, page_size, H] the paged KV array.
-      new_kv: [L, 2, T, K, H] each layer's new keys (index 0) and values (index 1).
+      kv: the paged KV cache (pages [L, 2, K, num_pages, page_size, H] and scales).
+      new_kv: [L, 2, T, K, H] each layer's new keys (index 0) and values (index 1), in the
+        pages' dtype or (quantized pages) float, quantized here.
       slot_ids: i32[T] flat slot (page * page_size + offset) of each row.
     Returns: kv with exactly those T slots of every layer overwritten (a one-row write also
       zeroes slot 0, on the padding-sink page: see `_two_rows_at_least`).
     """
     slot_ids, new_kv = _two_rows_at_least(slot_ids, new_kv, axis=2)
-    return _scatter_slots(
+    return _write_rows(
         kv, (slice(None), slice(None), slice(None), slot_ids), new_kv.swapaxes(2, 3)
     )  # [L, 2, K, T, H]
 
 
 def write_layer_kv(
-    kv: jax.Array, layer_index: int, k_new: jax.Array, v_new: jax.Array, slot_ids: jax.Array
-) -> jax.Array:
+    kv: KVCache, layer_index: int, k_new: jax.Array, v_new: jax.Array, slot_ids: jax.Array
+) -> KVCache:
     """write_kv_pages for one layer: k_new, v_new [T, K, H] into layer `layer_index`."""
     new = jnp.stack([k_new, v_new], axis=1)  # [T, 2, K, H]
     slot_ids, new = _two_rows_at_least(slot_ids, new, axis=0)
-    return _scatter_slots(kv, (layer_index, slice(None), slice(None), slot_ids), new)
+    return _write_rows(kv, (layer_index, slice(None), slice(None), slot_ids), new)
 
 
 def token_rows_and_positions(
@@ -80,7 +107,7 @@ def ragged_paged_attention(
     q: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    kv: jax.Array,
+    kv: KVCache,
     layer_index: jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
@@ -93,7 +120,8 @@ def ragged_paged_attention(
     Args:
       q: [T, N, H] queries of the step's new tokens.
       k_new, v_new: [T, K, H] keys and values of the same tokens (not yet in the pages).
-      kv: [L, 2, K, num_pages, page_size, H] the paged KV array holding earlier tokens.
+      kv: the paged KV cache holding earlier tokens (pages [L, 2, K, num_pages, page_size,
+        H], scales when quantized).
       layer_index: i32[] the layer to read; pages are gathered straight from `kv`, so no
         copy of the layer is made.
       page_table: i32[S, P] pages of each sequence.
@@ -103,14 +131,14 @@ def ragged_paged_attention(
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, page_size = kv.shape[2], kv.shape[4]
+    num_kv_heads, page_size = kv.pages.shape[2], kv.pages.shape[4]
     group = num_heads // num_kv_heads
     pages_per_seq = page_table.shape[1]
     rows, positions, real = token_rows_and_positions(seq_lens, query_starts, num_tokens)
     num_cached = seq_lens - (query_starts[1:] - query_starts[:-1])  # [S]
 
     # Cached context of every token, gathered in one go: [T, P, 2, K, page_size, H].
-    context = kv[layer_index, :, :, page_table[rows]]
+    context = gather_layer_pages(kv, layer_index, page_table[rows])
     context = context.transpose(0, 2, 3, 1, 4, 5).reshape(
         num_tokens, 2, num_kv_heads, pages_per_seq * page_size, head_dim
     )

@@ -26,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ksana_jax.kv_cache import KVCache
 from ksana_jax.pallas_kernels.attention_args import layer_as_array, validate_write_args
 from ksana_jax.pallas_kernels.paged_attention_gpu import kv_layout
 
@@ -55,6 +56,9 @@ def _write_kernel(first_layer_ref, slot_ids_ref, new_ref, kv_in_ref, kv_ref, *, 
 def _write(kv, new_kv, slot_ids, first_layer, block_t, num_warps, num_stages, interpret):
     """new_kv [L', 2, T, K, H] into layers first_layer .. first_layer + L' - 1 of kv."""
     validate_write_args(kv, new_kv, slot_ids)
+    if kv.quantized:
+        raise ValueError(f"the pallas_gpu KV write takes float pages, got {kv.pages.dtype}")
+    scales, kv = kv.scales, kv.pages
     if block_t <= 0 or block_t & (block_t - 1):
         raise ValueError(f"block_t={block_t} must be a power of two")
     num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv.shape
@@ -74,7 +78,7 @@ def _write(kv, new_kv, slot_ids, first_layer, block_t, num_warps, num_stages, in
         repeat = jnp.full(padded - num_tokens, num_tokens - 1)
         slot_ids = jnp.concatenate([slot_ids, slot_ids[repeat]])
         new_kv = jnp.concatenate([new_kv, new_kv[:, :, repeat]], axis=2)
-    return pl.pallas_call(
+    pages = pl.pallas_call(
         functools.partial(_write_kernel, block_t=block_t),
         out_shape=jax.ShapeDtypeStruct(kv.shape, kv.dtype),
         grid=(padded // block_t, new_kv.shape[0]),
@@ -83,6 +87,7 @@ def _write(kv, new_kv, slot_ids, first_layer, block_t, num_warps, num_stages, in
         interpret=interpret,
         name="write_kv_pages_gpu",
     )(first_layer, slot_ids, new_kv, kv)
+    return KVCache(pages, scales)
 
 
 _TUNING = ("block_t", "num_warps", "num_stages", "interpret")
@@ -90,7 +95,7 @@ _TUNING = ("block_t", "num_warps", "num_stages", "interpret")
 
 @functools.partial(jax.jit, static_argnames=_TUNING)
 def write_kv_pages(
-    kv: jax.Array,
+    kv: KVCache,
     new_kv: jax.Array,
     slot_ids: jax.Array,
     *,
@@ -98,11 +103,11 @@ def write_kv_pages(
     num_warps: int = 4,
     num_stages: int = 1,
     interpret: bool = False,
-) -> jax.Array:
+) -> KVCache:
     """Scatters every layer's new K/V rows into their slots of the KV array, in place.
 
     Args:
-      kv: [L, 2, K, num_pages, page_size, H] the paged KV array (aliased to the result;
+      kv: float pages [L, 2, K, num_pages, page_size, H] (aliased to the result;
         donate it to the enclosing jit so no copy is made).
       new_kv: [L, 2, T, K, H] each layer's new keys (index 0) and values (index 1).
       slot_ids: i32[T] flat slot (page * page_size + offset) of each token.
@@ -112,14 +117,14 @@ def write_kv_pages(
     Returns: kv with exactly those T slots of every layer overwritten.
     """
     validate_write_args(kv, new_kv, slot_ids)
-    if new_kv.shape[0] != kv.shape[0]:
-        raise ValueError(f"new_kv must have all {kv.shape[0]} layers, got {new_kv.shape[0]}")
+    if new_kv.shape[0] != kv.pages.shape[0]:
+        raise ValueError(f"new_kv must have all {kv.pages.shape[0]} layers, got {new_kv.shape[0]}")
     first_layer = jnp.zeros(1, jnp.int32)
     return _write(kv, new_kv, slot_ids, first_layer, block_t, num_warps, num_stages, interpret)
 
 
 def write_layer_kv(
-    kv: jax.Array,
+    kv: KVCache,
     layer_index: int | jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
@@ -129,18 +134,18 @@ def write_layer_kv(
     num_warps: int = 4,
     num_stages: int = 1,
     interpret: bool = False,
-) -> jax.Array:
+) -> KVCache:
     """`write_kv_pages` for one layer (`reference.write_layer_kv`), in place.
 
     Args:
-      kv: [L, 2, K, num_pages, page_size, H] (aliased to the result).
+      kv: float pages [L, 2, K, num_pages, page_size, H] (aliased to the result).
       layer_index: the layer to write (a Python int is range-checked; a traced i32 scalar
         cannot be). Either way it is data, so all layers share one compiled kernel.
       k_new, v_new: [T, K, H] the layer's new keys and values.
       slot_ids: i32[T] flat slot of each token.
     Returns: kv with those T slots of layer `layer_index` overwritten.
     """
-    first_layer = layer_as_array(layer_index, kv.shape[0])
+    first_layer = layer_as_array(layer_index, kv.pages.shape[0])
     tuning = dict(block_t=block_t, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     return _write_layer_kv(kv, first_layer, k_new, v_new, slot_ids, **tuning)
 

@@ -37,10 +37,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ksana_jax.kv_cache import KVCache
 from ksana_jax.pallas_kernels.attention_args import layer_as_array, validate_write_args
 from ksana_jax.pallas_kernels.ragged_paged_attention_tpu import kv_layout
 
 __all__ = ["kv_layout", "write_kv_pages", "write_layer_kv"]
+
+
+def _float_pages(kv: KVCache) -> jax.Array:
+    if kv.quantized:
+        raise ValueError(f"the pallas_tpu KV write takes float pages, got {kv.pages.dtype}")
+    return kv.pages
 
 
 def _write_kernel(
@@ -150,17 +157,17 @@ def _write_pages(kv, new_rows, slot_ids, first_layer, vmem_limit_bytes, interpre
 
 @functools.partial(jax.jit, static_argnames=("vmem_limit_bytes", "interpret"))
 def write_kv_pages(
-    kv: jax.Array,
+    kv: KVCache,
     new_kv: jax.Array,
     slot_ids: jax.Array,
     *,
     vmem_limit_bytes: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
-) -> jax.Array:
+) -> KVCache:
     """Scatters every layer's new K/V rows into their slots of the KV array, in place.
 
     Args:
-      kv: [L, 2, K, num_pages, page_size, H] the paged KV array (aliased to the result;
+      kv: float pages [L, 2, K, num_pages, page_size, H] (aliased to the result;
         donate it to the enclosing jit so no copy is made).
       new_kv: [L, 2, T, K, H] each layer's new keys (index 0) and values (index 1).
       slot_ids: i32[T] flat slot (page * page_size + offset) of each token.
@@ -170,15 +177,17 @@ def write_kv_pages(
     Returns: kv with exactly those T slots of every layer overwritten.
     """
     validate_write_args(kv, new_kv, slot_ids)
-    if new_kv.shape[0] != kv.shape[0]:
-        raise ValueError(f"new_kv must have all {kv.shape[0]} layers, got {new_kv.shape[0]}")
+    pages = _float_pages(kv)
+    if new_kv.shape[0] != pages.shape[0]:
+        raise ValueError(f"new_kv must have all {pages.shape[0]} layers, got {new_kv.shape[0]}")
     new_rows = new_kv.transpose(0, 2, 1, 3, 4)  # [L, T, 2, K, H]: a token's rows lead
     first_layer = jnp.zeros(1, jnp.int32)
-    return _write_pages(kv, new_rows, slot_ids, first_layer, vmem_limit_bytes, interpret)
+    pages = _write_pages(pages, new_rows, slot_ids, first_layer, vmem_limit_bytes, interpret)
+    return KVCache(pages, kv.scales)
 
 
 def write_layer_kv(
-    kv: jax.Array,
+    kv: KVCache,
     layer_index: int | jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
@@ -186,18 +195,18 @@ def write_layer_kv(
     *,
     vmem_limit_bytes: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
-) -> jax.Array:
+) -> KVCache:
     """`write_kv_pages` for one layer (`reference.write_layer_kv`), in place.
 
     Args:
-      kv: [L, 2, K, num_pages, page_size, H] (aliased to the result).
+      kv: float pages [L, 2, K, num_pages, page_size, H] (aliased to the result).
       layer_index: the layer to write (a Python int is range-checked; a traced i32 scalar
         cannot be). Either way it is data, so all layers share one compiled kernel.
       k_new, v_new: [T, K, H] the layer's new keys and values.
       slot_ids: i32[T] flat slot of each token.
     Returns: kv with those T slots of layer `layer_index` overwritten.
     """
-    first_layer = layer_as_array(layer_index, kv.shape[0])
+    first_layer = layer_as_array(layer_index, kv.pages.shape[0])
     return _write_layer_kv(
         kv,
         first_layer,
@@ -214,4 +223,7 @@ def _write_layer_kv(kv, first_layer, k_new, v_new, slot_ids, *, vmem_limit_bytes
     new_kv = jnp.stack([k_new, v_new])[None]  # [1, 2, T, K, H]
     validate_write_args(kv, new_kv, slot_ids)
     new_rows = new_kv.transpose(0, 2, 1, 3, 4)
-    return _write_pages(kv, new_rows, slot_ids, first_layer, vmem_limit_bytes, interpret)
+    pages = _write_pages(
+        _float_pages(kv), new_rows, slot_ids, first_layer, vmem_limit_bytes, interpret
+    )
+    return KVCache(pages, kv.scales)
