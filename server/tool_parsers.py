@@ -172,11 +172,11 @@ class StreamDelta:
     calls: list[dict] = dataclasses.field(default_factory=list)  # OpenAI's delta.tool_calls
 
 
-def call_deltas(calls: list[ToolCall], first_index: int = 0) -> list[dict]:
+def call_deltas(calls: list[ToolCall]) -> list[dict]:
     """OpenAI's streamed form of whole calls: per call a head (index, id, type, name, empty
     arguments), then its arguments."""
     deltas = []
-    for i, call in enumerate(calls, first_index):
+    for i, call in enumerate(calls):
         deltas.append(
             {
                 "index": i,
