@@ -156,7 +156,9 @@ class ParamAssembler:
                     value = quant.quantize(value, self._quantization, str(self._dtype))
                 except ValueError as e:
                     raise ConversionError(f"tensor {hf_name!r}: {e}") from None
-            self._quantized[name][index[0] if index else None] = dataclasses.replace(value, dtype=str(self._dtype))
+            self._quantized[name][index[0] if index else None] = dataclasses.replace(
+                value, dtype=str(self._dtype)
+            )
         else:
             self._arrays[name][index] = _float(value).astype(self._dtype)
         if ".*." in hf_name:  # a stacked tensor of every expert (GGUF's ffn_*_exps)
