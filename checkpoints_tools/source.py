@@ -69,7 +69,10 @@ class ParamAssembler:
     def __init__(self, cfg: ModelConfig, dtype: str, quantization: str | None = None):
         if quantization is not None:
             quant.check_format(quantization)
-            quant.check_model(cfg)
+            try:
+                quant.check_model(cfg)
+            except ValueError as e:
+                raise ConversionError(str(e)) from None
         self._cfg = cfg
         self._family = registry.family_of(cfg.model_type)
         self._dtype = np.dtype(jnp.dtype(dtype))

@@ -203,6 +203,11 @@ def make_plan(
     tp, dp = tensor_parallel_size, data_parallel_size
     if tp < 1 or dp < 1:
         raise ValueError(f"tensor_parallel_size ({tp}) and data_parallel_size ({dp}) must be >= 1")
+    if cfg.expert_parallel and cfg.num_experts % tp:
+        raise ValueError(
+            f"enable_expert_parallel needs num_experts ({cfg.num_experts}) divisible by "
+            f"tensor_parallel_size ({tp})"
+        )
     devices = list(jax.devices() if devices is None else devices)
     if tp * dp > len(devices):
         raise ValueError(
@@ -225,11 +230,6 @@ def make_plan(
     )
     rules = {"vocab": TENSOR, "mlp": TENSOR}
     if cfg.expert_parallel:
-        if cfg.num_experts % tp:
-            raise ValueError(
-                f"enable_expert_parallel needs num_experts ({cfg.num_experts}) divisible by "
-                f"tensor_parallel_size ({tp})"
-            )
         rules["experts"] = TENSOR
     else:
         rules["expert_mlp"] = TENSOR
