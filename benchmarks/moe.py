@@ -1,19 +1,20 @@
 """A mixture-of-experts layer (models/moe.py) against a dense gated MLP of the same active
 size: the dense MLP is top_k * F wide, so both do tokens x top_k x one expert's FLOPs.
 
-For 1, 16 and 256 tokens it prints the median time of one jitted layer call (routing, sort,
-grouped products, combine) and of the dense MLP, their ratio, and the bytes XLA's cost
-analysis says each compiled call accesses (`compiled.cost_analysis()['bytes accessed']`),
-beside the bytes of all experts' weights and of the active ones (top_k experts). The MoE
-layer is timed with both grouped-product forms: `ragged` (sorted rows and
-lax.ragged_dot_general) and `gather` (each assignment's expert matrices gathered); `auto`,
-what the engine runs, picks gather when tokens x top_k < E.
+For 1, 16 and 256 tokens it prints the median and the best time of one jitted layer call
+(routing, sort, grouped products, combine) and of the dense MLP, the ratio of the best times
+(a shared machine's load moves the median more than the best), and the bytes XLA's cost
+analysis says each compiled call accesses (`compiled.cost_analysis()['bytes accessed']`;
+for a loop it counts every operand whole). "routed" is how many distinct experts the tokens
+picked and their weights' MB: what any exact MoE layer must read, beside the dense MLP's
+top_k experts' worth. The MoE layer is timed in every grouped-product form (moe.METHODS) and
+as `auto`, what the engine runs on this platform (moe.choose_method).
 
-What to expect: on TPU/GPU, ragged_dot is XLA's grouped matmul and the MoE layer should stay
-near the dense one at every size. On CPU jax lowers ragged_dot to a dense product over all E
-experts with the other rows masked (E times the FLOPs, every expert's bytes): there `gather`
-is the form that reads only the active experts at decode, and `ragged` costs about E / top_k
-dense layers at 256 tokens.
+What to expect: on TPU/GPU, ragged_dot is XLA's grouped matmul and `ragged` should stay near
+the dense layer. On CPU jax lowers ragged_dot to masked products over all E experts (E times
+the work, slower still), and `blocks` is the form whose cost follows tokens x top_k: near
+the dense layer at 1 and 256 tokens; at 16 tokens (64 assignments over 32 experts) the
+tokens route to most experts, so the layer reads several times the dense layer's bytes.
 
     python benchmarks/moe.py [--shape small|qwen3_30b_a3b] [--dtype bfloat16] [--repeats 10]
 """
@@ -79,8 +80,8 @@ def dense_layer(w, x):
     return layers.gated_mlp(x, w["w_gate"], w["w_up"], w["w_down"])
 
 
-def measure(fn, w, x, repeats: int) -> tuple[float, float]:
-    """(median seconds per call, bytes accessed per XLA's cost analysis)."""
+def measure(fn, w, x, repeats: int) -> tuple[float, float, float]:
+    """(median and best seconds per call, bytes accessed per XLA's cost analysis)."""
     compiled = jax.jit(fn).lower(w, x).compile()
     compiled(w, x).block_until_ready()
     times = []
@@ -90,14 +91,15 @@ def measure(fn, w, x, repeats: int) -> tuple[float, float]:
         times.append(time.perf_counter() - start)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return statistics.median(times), float(cost.get("bytes accessed", float("nan")))
+    bytes_accessed = float(cost.get("bytes accessed", float("nan")))
+    return statistics.median(times), min(times), bytes_accessed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     args = parser.parse_args()
     cfg = config(*SHAPES[args.shape])
@@ -110,19 +112,26 @@ def main() -> None:
         f"expert weights: all {e * one_expert / 1e6:.1f} MB, active (top-{k}) "
         f"{k * one_expert / 1e6:.2f} MB; dense MLP of the active size {k * one_expert / 1e6:.2f} MB"
     )
-    print(f"{'tokens':>6} {'layer':>12} {'ms':>9} {'x dense':>8} {'MB accessed':>12}")
+    print(
+        f"{'tokens':>6} {'layer':>12} {'ms':>9} {'best ms':>9} {'x dense':>8} "
+        f"{'MB accessed':>12} {'routed':>7} {'routed MB':>10}"
+    )
     for num_tokens in (int(t) for t in args.tokens.split(",")):
         x = jax.random.normal(jax.random.key(1), (num_tokens, d), jnp.float32)
-        dense_s, dense_b = measure(dense_layer, w, x, args.repeats)
-        rows = [("dense", dense_s, dense_b)]
-        for method in ("auto", "ragged", "gather"):
+        routed = len(np.unique(np.asarray(moe.route(x, w["router"], cfg)[1])))
+        dense = measure(dense_layer, w, x, args.repeats)
+        rows = [("dense", *dense)]
+        for method in ("auto", *moe.METHODS):
             if method == "gather" and num_tokens * k > 4 * e:
                 continue  # gathers a weight copy per assignment: too large to be a choice
-            s, b = measure(moe_layer(cfg, method), w, x, args.repeats)
-            rows.append((f"moe {method}", s, b))
-        for name, s, b in rows:
+            if method == "ragged" and num_tokens * k > 4 * e and jax.default_backend() == "cpu":
+                continue  # masked products over every expert: seconds, no information
+            rows.append((f"moe {method}", *measure(moe_layer(cfg, method), w, x, args.repeats)))
+        for name, median, best, b in rows:
+            experts = f"{routed:>7} {routed * one_expert / 1e6:>10.2f}" if name != "dense" else ""
             print(
-                f"{num_tokens:>6} {name:>12} {1e3 * s:>9.3f} {s / dense_s:>8.2f} {b / 1e6:>12.2f}"
+                f"{num_tokens:>6} {name:>12} {1e3 * median:>9.3f} {1e3 * best:>9.3f} "
+                f"{best / dense[1]:>8.2f} {b / 1e6:>12.2f} {experts}"
             )
 
 

@@ -54,7 +54,7 @@ def layer_output(cfg, layer, x, router, method):
 
 @pytest.mark.parametrize("top_k", [1, 2, 4])
 @pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("method", ["ragged", "gather"])
+@pytest.mark.parametrize("method", moe.METHODS)
 def test_layer_equals_the_dense_oracle(top_k, norm, method):
     cfg, layer = moe_config(top_k, norm), weights()
     rng = np.random.default_rng(1)
@@ -71,7 +71,7 @@ def test_experts_split_over_devices_sum_to_the_whole():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((T, D)), jnp.float32)
     routing = moe.route(x, jnp.asarray(np.random.default_rng(3).standard_normal((E, D))), cfg)
     whole = moe.expert_ffn(x, *routing, *layer.values())
-    for method in ("ragged", "gather"):
+    for method in moe.METHODS:
         parts = [
             moe.expert_ffn(x, *routing, *(w[i : i + 2] for w in layer.values()), i, method)
             for i in range(0, E, 2)

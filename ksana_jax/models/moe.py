@@ -11,22 +11,26 @@ exactly Mixtral's (a softmax over the top-k logits). The routing is data inside 
 step: which experts a token picks changes no shape, so no routing pattern recompiles, and
 no token is dropped (there is no capacity).
 
-The grouped products (`expert_ffn`) have two forms, chosen statically by the step's token
-bucket, both exact:
-- `ragged`: the T*k (token, expert) assignments sorted by expert, and one
-  `jax.lax.ragged_dot_general` per projection over the sorted rows with the experts' group
-  sizes. On TPU and GPU that is XLA's grouped matmul, whose work is T*k rows of one expert
-  each; XLA:CPU has no grouped matmul and jax lowers it there to a dense product over every
-  expert with the other groups' rows masked (E times the work; benchmarks/moe.py shows it).
+The grouped products (`expert_ffn`) have three forms, all exact, one chosen at trace time
+from the step's token bucket and the platform (`choose_method`):
 - `gather`: when there are fewer assignments than experts (decode), each assignment's expert
   matrices are gathered and multiplied as a batch: the step reads only the chosen experts'
   weights, the point of a mixture of experts at batch 1, on every platform.
+- `ragged` (TPU, GPU): the T*k (token, expert) assignments sorted by expert, and one
+  `jax.lax.ragged_dot_general` per projection over the sorted rows with the experts' group
+  sizes: XLA's grouped matmul there, whose work is T*k rows of one expert each. XLA:CPU has
+  no grouped matmul; jax lowers ragged_dot there to masked products over every expert.
+- `blocks` (CPU): megablox gmm's tiling in plain jnp. The sorted rows of each expert are
+  padded to a multiple of B rows, and a loop runs once per non-empty block: a dense [B, D]
+  product with that block's expert (a dynamic index into the stacked weights). The loop's
+  length is data (no recompile), its work T*k rows plus padding, and it reads each routed
+  expert's weights once per block.
 
 On a mesh (sharding.py) the layer runs under `shard_map` over the tensor-parallel devices,
 which all hold every token (the residual stream is replicated under tensor parallelism):
 - without expert parallelism each device holds every expert's slice of F (column-split gate
   and up, row-split down, as the dense MLP) and computes its partial sum of every assignment;
-- with expert parallelism (`ModelConfig.expert_parallel`) each device holds E / tp whole
+- with expert parallelism (`ShardingPlan.expert_parallel`) each device holds E / tp whole
   experts and computes the assignments routed to its own experts (the others are sorted last,
   outside every group, and weigh 0).
 Either way the devices' partial outputs meet in one all-reduce (psum) of f32[T, D], the same
@@ -157,13 +161,15 @@ def expert_ffn(
       x: f32[T, D] tokens; weights f32[T, k] and ids i32[T, k] their routing.
       w_gate, w_up: [E_local, F, D]; w_down: [E_local, D, F] (this device's experts).
       first_expert: global id of w_gate[0] (traced under shard_map).
-      method: "ragged" | "gather" | "auto" (gather when T*k < E_local; see module docstring).
+      method: one of METHODS, or "auto" (`choose_method`; see the module docstring).
     Returns: f32[T, D].
     """
     num_tokens, top_k = ids.shape
     num_local = w_gate.shape[0]
     if method == "auto":
-        method = "gather" if num_tokens * top_k < num_local else "ragged"
+        method = choose_method(num_tokens * top_k, num_local)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS} or 'auto', got {method!r}")
     local = ids.reshape(-1) - first_expert  # [R], R = T*k assignments, token-major
     is_local = (local >= 0) & (local < num_local)
     row_weights = jnp.where(is_local, weights.reshape(-1), 0.0)
@@ -172,18 +178,82 @@ def expert_ffn(
         expert = jnp.clip(local, 0, num_local - 1)
         rows = _gathered_ffn(x[token_of], expert, w_gate, w_up, w_down)
         rows = jnp.where(is_local[:, None], rows, 0.0)
-    elif method == "ragged":
-        key = jnp.where(is_local, local, num_local)  # other devices' assignments sort last
-        order = jnp.argsort(key, stable=True)
-        sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
-        token_of, row_weights = token_of[order], row_weights[order]
-        rows = _ragged_ffn(x[token_of], sizes, w_gate, w_up, w_down)
-        in_group = jnp.arange(rows.shape[0]) < jnp.sum(sizes)
-        rows = jnp.where(in_group[:, None], rows, 0.0)  # rows past the groups: unspecified
-    else:
-        raise ValueError(f"method must be 'ragged', 'gather' or 'auto', got {method!r}")
+        return jnp.zeros(x.shape, jnp.float32).at[token_of].add(rows * row_weights[:, None])
+    key = jnp.where(is_local, local, num_local)  # other devices' assignments sort last
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+    token_of, row_weights = token_of[order], row_weights[order]
+    if method == "blocks":
+        return _blocked_ffn(x, token_of, row_weights, key[order], sizes, w_gate, w_up, w_down)
+    rows = _ragged_ffn(x[token_of], sizes, w_gate, w_up, w_down)
+    in_group = jnp.arange(rows.shape[0]) < jnp.sum(sizes)
+    rows = jnp.where(in_group[:, None], rows, 0.0)  # rows past the groups: unspecified
+    return jnp.zeros(x.shape, jnp.float32).at[token_of].add(rows * row_weights[:, None])
+
+
+METHODS = ("ragged", "gather", "blocks")
+
+
+def choose_method(num_assignments: int, num_experts: int, platform: str | None = None) -> str:
+    """The grouped-product form for R = T*k assignments over E local experts, at trace time.
+
+    `gather` when R < E (decode: reads only the chosen experts, on every platform). Else on
+    TPU and GPU `ragged` (ragged_dot is XLA's grouped matmul there); on CPU, where XLA lowers
+    ragged_dot to masked products over every expert, `blocks`."""
+    if num_assignments < num_experts:
+        return "gather"
+    platform = platform or jax.default_backend()
+    return "blocks" if platform == "cpu" else "ragged"
+
+
+def block_rows(num_assignments: int, num_experts: int) -> int:
+    """Rows per block of the `blocks` form: the power of two at or above twice the mean rows
+    per expert, between 4 and 128. Each non-empty expert pads its rows to a multiple of it:
+    larger blocks are faster products, smaller ones less padding."""
+    mean = -(-num_assignments // num_experts)
+    return min(128, max(4, 1 << (2 * mean - 1).bit_length()))
+
+
+def _blocked_ffn(x, token_of, row_weights, key, sizes, w_gate, w_up, w_down) -> jax.Array:
+    """The `blocks` form (megablox gmm's tiling in plain jnp): each expert's rows, sorted,
+    padded to a multiple of B rows; a loop over the non-empty blocks multiplies each [B, D]
+    with its one expert's weights (a dynamic index) and adds the rows into the output.
+
+    token_of i32[R], row_weights f32[R]: the assignments sorted by key i32[R] (local expert,
+    or E for other devices' assignments, last); sizes i32[E] rows per local expert. The loop
+    runs sum(ceil(size / B)) times (data: no shape depends on the routing), at most
+    (R + min(E, R) * (B - 1)) / B, the static length of the padded row arrays."""
+    num_rows, num_local = token_of.shape[0], w_gate.shape[0]
+    block = block_rows(num_rows, num_local)
+    num_blocks = (num_rows + min(num_local, num_rows) * (block - 1)) // block
+    padded = (sizes + block - 1) // block * block  # i32[E]
+    padded_end = jnp.cumsum(padded)
+    group_start = jnp.cumsum(sizes) - sizes
+    # sorted assignment i of expert e goes to padded row (padded_end - padded)[e] + i - start[e]
+    e = jnp.minimum(key, num_local - 1)
+    pos = padded_end[e] - padded[e] + jnp.arange(num_rows) - group_start[e]
+    pos = jnp.where(key < num_local, pos, num_blocks * block)  # out of range: dropped
+    padded_token = jnp.zeros(num_blocks * block, jnp.int32).at[pos].set(token_of, mode="drop")
+    padded_weight = jnp.zeros(num_blocks * block, jnp.float32).at[pos].set(row_weights, mode="drop")
+    starts = jnp.arange(num_blocks, dtype=jnp.int32) * block
+    block_expert = jnp.minimum(jnp.searchsorted(padded_end, starts, side="right"), num_local - 1)
+
+    def one_block(b, carry):
+        out, w_gate, w_up, w_down = carry
+        tokens = jax.lax.dynamic_slice_in_dim(padded_token, b * block, block)
+        row_w = jax.lax.dynamic_slice_in_dim(padded_weight, b * block, block)
+        expert = block_expert[b]
+        rows = x[tokens]  # [B, D]
+        hidden = jax.nn.silu(linear(rows, w_gate[expert])) * linear(rows, w_up[expert])
+        out = out.at[tokens].add(linear(hidden, w_down[expert]) * row_w[:, None])
+        # The experts ride in the loop state behind a barrier, so XLA cannot hoist work on
+        # them out of the loop: XLA:CPU computes a bfloat16 dynamic index in float32, and
+        # hoisted, that conversion covers every expert each step (80 ms for 50 MB).
+        return out, *jax.lax.optimization_barrier((w_gate, w_up, w_down))
+
+    used = padded_end[-1] // block
     out = jnp.zeros(x.shape, jnp.float32)
-    return out.at[token_of].add(rows * row_weights[:, None])
+    return jax.lax.fori_loop(0, used, one_block, (out, w_gate, w_up, w_down))[0]
 
 
 # [R, in] x [G, out, in] -> [R, out], rows grouped on R, groups on the weights' first axis.
