@@ -1,8 +1,9 @@
-"""Mixture-of-experts: the layer against a dense oracle (every expert on every token), for
-both grouped-product forms, routings that send every token to one expert or spread them
-evenly (one compiled function for all: routing is data), and the Mixtral / Qwen3-MoE
-families through the engine: greedy continuations equal transformers' batched, under
-chunked prefill, with prefix-cache hits and under preemption; nothing compiles after warm-up.
+"""Mixture-of-experts: the layer in every grouped-product form against a dense oracle (every
+expert on every token), whole and split over expert ranges; routings that send every token to
+one expert or spread them evenly (one compiled function for all: routing is data); and the
+Mixtral / Qwen3-MoE families through the engine: one run per family, batched with chunked
+prefill, preemption and prefix-cache hits, whose greedy continuations equal transformers'
+and which compiles nothing after warm-up.
 
 Logits of every MoE case against transformers are in test_families.py (family_models.py's
 mixtral_* and qwen3_moe_* cases: top-k 1, 2 and 4, with and without renormalisation, dense
@@ -12,6 +13,7 @@ and sparse layers mixed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +21,8 @@ import numpy as np
 import pytest
 from conftest import TINY_VOCAB
 from family_models import hf_greedy, write_case
-from test_family_engine import BASE, GREEDY, PROMPTS, SCENARIOS, STEPS, assert_same_greedy
-from workloads import record_compilations, run_varied_workload
+from test_family_engine import BASE, GREEDY, PROMPTS, STEPS, assert_same_greedy
+from workloads import record_compilations
 
 import ksana_jax
 from checkpoints_tools import ConversionError, read_source
@@ -46,37 +48,41 @@ def weights(seed: int = 0):
     return {k: jnp.asarray(0.3 * rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
 
 
-def layer_output(cfg, layer, x, router, method):
-    routing = moe.route(x, router, cfg)
+def all_forms(cfg: ModelConfig, layer: dict, x: jax.Array, router: jax.Array, split: bool):
+    """The layer's output in every form (moe.METHODS), and with `split` also as the sum of two
+    devices' expert ranges (what each computes under expert parallelism)."""
+    weights, ids = moe.route(x, router, cfg)
     experts = (layer["w_gate_exps"], layer["w_up_exps"], layer["w_down_exps"])
-    return moe.expert_ffn(x, *routing, *experts, method=method)
+    out = {}
+    for method in moe.METHODS:
+        out[method] = moe.expert_ffn(x, weights, ids, *experts, method=method)
+        if split:
+            halves = [(w[: E // 2], w[E // 2 :]) for w in experts]
+            low, high = ([h[i] for h in halves] for i in (0, 1))
+            out[f"{method} split"] = moe.expert_ffn(
+                x, weights, ids, *low, 0, method
+            ) + moe.expert_ffn(x, weights, ids, *high, E // 2, method)
+    return out
 
 
-@pytest.mark.parametrize("top_k", [1, 2, 4])
-@pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("method", moe.METHODS)
-def test_layer_equals_the_dense_oracle(top_k, norm, method):
+@pytest.mark.parametrize(("top_k", "norm"), [(1, False), (2, True), (4, False)])
+def test_every_form_equals_the_dense_oracle(top_k, norm):
     cfg, layer = moe_config(top_k, norm), weights()
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
     router = jnp.asarray(rng.standard_normal((E, D)), jnp.float32)
-    want = moe.reference_moe(x, router, *layer.values(), cfg)
-    got = jax.jit(layer_output, static_argnums=(0, 4))(cfg, layer, x, router, method)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    want = np.asarray(moe.reference_moe(x, router, *layer.values(), cfg))
+    split = top_k == 2
+    got = jax.jit(all_forms, static_argnums=(0, 4))(cfg, layer, x, router, split)
+    assert len(got) == len(moe.METHODS) * (1 + split)
+    for form, out in got.items():
+        np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=0, err_msg=form)
 
 
-def test_experts_split_over_devices_sum_to_the_whole():
-    """What each device computes under expert parallelism: its experts' share, others 0."""
-    cfg, layer = moe_config(2, True), weights()
-    x = jnp.asarray(np.random.default_rng(2).standard_normal((T, D)), jnp.float32)
-    routing = moe.route(x, jnp.asarray(np.random.default_rng(3).standard_normal((E, D))), cfg)
-    whole = moe.expert_ffn(x, *routing, *layer.values())
-    for method in moe.METHODS:
-        parts = [
-            moe.expert_ffn(x, *routing, *(w[i : i + 2] for w in layer.values()), i, method)
-            for i in range(0, E, 2)
-        ]
-        np.testing.assert_allclose(np.asarray(sum(parts)), np.asarray(whole), atol=2e-5)
+def test_the_platform_picks_the_form():
+    assert moe.choose_method(4, 8, "cpu") == moe.choose_method(4, 8, "tpu") == "gather"
+    assert moe.choose_method(64, 8, "cpu") == "blocks"
+    assert moe.choose_method(64, 8, "tpu") == moe.choose_method(64, 8, "gpu") == "ragged"
 
 
 def routings() -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -91,8 +97,9 @@ def routings() -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 def test_same_expert_and_even_routing_compile_once_and_equal_the_oracle():
+    """Every form in one compiled function; both routings run it without compiling again."""
     cfg, layer = moe_config(1, False), weights()
-    step = jax.jit(lambda layer, x, router: layer_output(cfg, layer, x, router, "ragged"))
+    step = jax.jit(functools.partial(all_forms, cfg, split=False))
     cases = routings()
     wants = {}
     for name, (x, router) in cases.items():
@@ -102,69 +109,54 @@ def test_same_expert_and_even_routing_compile_once_and_equal_the_oracle():
         wants[name] = moe.reference_moe(jnp.asarray(x), jnp.asarray(router), *layer.values(), cfg)
     compiles = record_compilations()
     for name, (x, router) in cases.items():
-        got = step(layer, x, router)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(wants[name]), atol=2e-5, rtol=0)
+        for form, out in step(layer, x, router).items():
+            np.testing.assert_allclose(
+                np.asarray(out), np.asarray(wants[name]), atol=2e-5, rtol=0, err_msg=form
+            )
     assert step._cache_size() == 1 and len(compiles) == 1, compiles
 
 
 # ----------------------------------------------------------------------------- families
 
 
-@pytest.fixture(scope="module", params=["mixtral_top1_window", "qwen3_moe_mixed_top2"])
+@pytest.fixture(scope="module", params=["mixtral_top1", "qwen3_moe_mixed_top2"])
 def moe_family(request, tmp_path_factory):
-    """(transformers model, converted model, transformers' greedy outputs per prompt)."""
+    """(HF directory, transformers model, converted model)."""
     path = tmp_path_factory.mktemp(request.param) / "hf"
     hf_model = write_case(path, request.param, eos_token_id=None)
-    model = ksana_jax.load(path)
-    return hf_model, model, [hf_greedy(hf_model, p, STEPS)[0] for p in PROMPTS]
+    return path, hf_model, ksana_jax.load(path)
 
 
-@pytest.mark.parametrize("scenario", ["batched", "chunks5_inside_window", "preemption"])
-def test_moe_greedy_equals_transformers(moe_family, scenario):
-    hf_model, model, want = moe_family
-    llm = LLM(model, warm_up=False, **BASE | SCENARIOS[scenario])
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    for prompt, out, expected in zip(PROMPTS, outs, want, strict=True):
-        assert_same_greedy(hf_model, prompt, out.outputs[0].token_ids, expected)
-    if scenario == "preemption":
-        assert llm.engine.stats.preemptions > 0
+# Batched (4 sequences a step), chunked (11-token chunks; prompts up to 43), preempted (19
+# usable pages of 4 tokens for requests needing about 30) and, in the second wave, prompts
+# opening with the first wave's longest one: prefix-cache hits.
+ENGINE = BASE | dict(max_num_batched_tokens=11, max_num_seqs=4, num_pages=20)
 
 
-def test_moe_prefix_cache_hits_keep_greedy_outputs(moe_family):
-    hf_model, model, _ = moe_family
-    prompts = [PROMPTS[4] + PROMPTS[3][:9] + p[:3] for p in PROMPTS[:3]]
-    llm = LLM(model, warm_up=False, **BASE)
-    llm.generate(prompts, GREEDY, use_tqdm=False)
-    hits = llm.engine.stats.prefix_cache_hits
-    again = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.stats.prefix_cache_hits > hits
-    for prompt, out in zip(prompts, again, strict=True):
-        want = hf_greedy(hf_model, prompt, STEPS)[0]
-        assert_same_greedy(hf_model, prompt, out.outputs[0].token_ids, want)
-
-
-def test_moe_no_compilation_after_warm_up(moe_family):
-    """Tokens of every workload route differently; the compiled steps stay the same."""
-    _, model, _ = moe_family
-    if model.config.model_type != "qwen3_moe":
-        pytest.skip("one family: the MoE layer is the same code in both")
+def test_moe_engine_greedy_equals_transformers_and_compiles_nothing_after_warm_up(moe_family):
+    """Tokens of every step route differently; the compiled steps stay those of warm-up."""
+    _, hf_model, model = moe_family
     compiles = record_compilations()
-    config = BASE | dict(max_model_len=256, context_buckets=(64, 256), num_pages=70)
-    llm = LLM(model, **config)
+    llm = LLM(model, **ENGINE)
     warm = compile_count()
     compiles.clear()
-    run_varied_workload(llm.engine, TINY_VOCAB)
-    assert llm.engine.stats.preemptions > 0 and llm.engine.stats.prefix_cache_hits > 0
+    waves = [PROMPTS, [PROMPTS[4] + PROMPTS[3][:9] + p[:3] for p in PROMPTS[:3]]]
+    for wave in waves:
+        outs = llm.generate(wave, GREEDY, use_tqdm=False)
+        for prompt, out in zip(wave, outs, strict=True):
+            want = hf_greedy(hf_model, prompt, STEPS)[0]
+            assert_same_greedy(hf_model, prompt, out.outputs[0].token_ids, want)
+    stats = llm.engine.stats
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0, stats
     assert compile_count() == warm and compiles == []
 
 
-def test_quantizing_an_moe_model_is_refused(moe_family, tmp_path):
-    _, model, _ = moe_family
+def test_quantizing_an_moe_model_is_refused(moe_family):
+    path, _, model = moe_family
     with pytest.raises(ValueError, match="not supported for mixture-of-experts"):
         model.with_quantization("int8")
-    write_case(tmp_path / "hf", "qwen3_moe_top4_norm")
     with pytest.raises(ConversionError, match="not supported for mixture-of-experts"):
-        read_source(tmp_path / "hf", quantization="int4")
+        read_source(path, quantization="int4")
 
 
 def test_expert_count_that_tp_does_not_divide_is_refused():
@@ -185,7 +177,8 @@ def test_tensor_and_expert_parallel_match_one_device(tmp_path):
     from checkpoints_tools import convert
 
     heads = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16)
-    write_case(tmp_path / "hf", "qwen3_moe_mixed_top2", eos_token_id=None, **heads)
+    layers = dict(num_hidden_layers=2, mlp_only_layers=[], decoder_sparse_step=2)  # dense, MoE
+    write_case(tmp_path / "hf", "qwen3_moe_mixed_top2", eos_token_id=None, **heads | layers)
     runs = run_worker("moe", convert(tmp_path / "hf", tmp_path / "ckpt"))
     print({k: (r["expert_bytes_per_device"], r["bytes"]["per_device"]) for k, r in runs.items()})
     for name, run in runs.items():

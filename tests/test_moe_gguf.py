@@ -1,7 +1,7 @@
 """MoE GGUF files written the way llama.cpp's convert_hf_to_gguf writes them -- Qwen3-MoE as
 `qwen3moe`, Mixtral as a `llama` with `expert_count` (Q/K rows permuted) -- with each layer's
-experts stacked into ffn_{gate,up,down}_exps and the router as ffn_gate_inp: they convert to
-the safetensors route's logits and transformers'."""
+experts stacked into ffn_{gate,up,down}_exps and the router as ffn_gate_inp: their logits are
+transformers' (as the safetensors route's are, test_families.py)."""
 
 from __future__ import annotations
 
@@ -102,8 +102,8 @@ def write_moe_gguf(path, model: torch.nn.Module, hf_dir) -> None:
 
 
 # llama.cpp's qwen3moe always renormalises the top-k weights: a GGUF reads norm_topk_prob.
-@pytest.mark.parametrize("case", ["qwen3_moe_top4_norm", "mixtral_top2"])
-def test_moe_gguf_converts_to_the_safetensors_logits(tmp_path, case):
+@pytest.mark.parametrize("case", ["qwen3_moe_top4_norm", "mixtral_top1"])
+def test_moe_gguf_logits_match_transformers(tmp_path, case):
     hf_model = build(hf_config(case))
     hf_model.save_pretrained(tmp_path / "hf")
     write_tiny_tokenizer(tmp_path / "hf")
@@ -113,8 +113,6 @@ def test_moe_gguf_converts_to_the_safetensors_logits(tmp_path, case):
     assert from_gguf.config.model_type == hf_model.config.model_type
     assert from_gguf.config.mlp_types == read_source(tmp_path / "hf").config.mlp_types
     got = ksana_jax.load(tmp_path / "model.gguf").logits(PROMPT)
-    safetensors = ksana_jax.load(tmp_path / "hf").logits(PROMPT)
     want = hf_logits(hf_model, PROMPT)
     print(f"{case} GGUF: max |logit difference| {np.abs(got - want).max():.2e}")
-    np.testing.assert_allclose(got, safetensors, atol=1e-5, rtol=0)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
