@@ -30,7 +30,7 @@ On a mesh (sharding.py) the layer runs under `shard_map` over the tensor-paralle
 which all hold every token (the residual stream is replicated under tensor parallelism):
 - without expert parallelism each device holds every expert's slice of F (column-split gate
   and up, row-split down, as the dense MLP) and computes its partial sum of every assignment;
-- with expert parallelism (`ShardingPlan.expert_parallel`) each device holds E / tp whole
+- with expert parallelism (`ModelConfig.expert_parallel`) each device holds E / tp whole
   experts and computes the assignments routed to its own experts (the others are sorted last,
   outside every group, and weigh 0).
 Either way the devices' partial outputs meet in one all-reduce (psum) of f32[T, D], the same
