@@ -106,7 +106,7 @@ class LLMEngine:
                 f"({model.config.max_position_embeddings})"
             )
         model = model.with_quantization(config.quantization).with_tensor_parallel(
-            config.tensor_parallel_size
+            config.tensor_parallel_size, config.enable_expert_parallel
         )
         self.model = model
         self.config = config

@@ -61,7 +61,12 @@ def serve(
     )
     path = resolve_model(model)  # `demo`: converted on first use (or its install hint)
     print(f"ksana-jax: loading {model}", file=sys.stderr, flush=True)
-    loaded = load(path, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size)
+    loaded = load(
+        path,
+        dtype=config.dtype,
+        tensor_parallel_size=config.tensor_parallel_size,
+        enable_expert_parallel=config.enable_expert_parallel,
+    )
     engine = LLMEngine(loaded, config)
     if multihost.is_follower():
         print(
