@@ -1,7 +1,7 @@
 """Quantized KV caches (kv_cache_dtype int8 / fp8): the row quantizer's error bounds, every
 backend that reads quantized pages (the Pallas ones in interpret mode) against the jnp oracle
-given the dequantized pages, every writer, and the engine on a tiny model (greedy, zero recompilations, prefix caching,
-chunked prefill)."""
+given the dequantized pages, every writer, and the engine on a tiny model (greedy, zero
+recompilations, prefix caching, chunked prefill)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 from conftest import TINY_VOCAB, write_tiny_hf
+from jax.experimental.pallas import tpu as pltpu
 from workloads import record_compilations, run_varied_workload
 
 import ksana_jax
@@ -70,7 +70,7 @@ def test_quantize_round_trip_error_is_bounded(name):
 def quantized_batch(dtype, num_kv_heads=2, group=2, head_dim=32, seed=0, page_size=PAGE_SIZE):
     """Attention arguments with quantized pages (NaN scales in every slot no row owns), and
     the same batch with the pages dequantized into a float KV."""
-    PAGE_SIZE, ROWS = page_size, rows_for(page_size)  # noqa: N806 (the module's names)
+    PAGE_SIZE, ROWS = page_size, rows_for(page_size)  # the module's names, shadowed
     rng = np.random.default_rng(seed)
     num_pages = 1 + NUM_SEQS * PAGES_PER_SEQ
     pages = np.full((2, 2, num_kv_heads, num_pages, PAGE_SIZE, head_dim), np.nan, np.float32)
@@ -176,7 +176,9 @@ def test_quantized_write_stores_the_quantized_rows_and_their_scales(name, backen
             for which in (0, 1):
                 got = np.asarray(out.pages[layer, which, :, page, row].astype(jnp.float32))
                 np.testing.assert_array_equal(got, values[which, t].astype(jnp.float32))
-                np.testing.assert_array_equal(out.scales[layer, which, :, page, row], scales[which, t])
+                np.testing.assert_array_equal(
+                    out.scales[layer, which, :, page, row], scales[which, t]
+                )
     assert np.all(np.asarray(out.scales)[~touched] == 7.0)  # nothing else moved
     untouched = ~np.broadcast_to(touched[..., None], spec.shape)
     assert np.all(np.asarray(out.pages.astype(jnp.float32))[untouched] == 0)

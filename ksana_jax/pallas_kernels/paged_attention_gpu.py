@@ -36,9 +36,9 @@ What each program loads, block by block (`block_k` keys):
     slots p % page_size -- a gather with a mask (p < cached length), so slots the row does
     not own are never read. Quantized pages (int8, float8_e4m3fn) also gather their rows'
     float32 scales (kv.scales[layer, 0|1, k, page_ids, slots]) and are dequantized in
-    registers (page * scale) before the dots. The page ids come CHUNK_PAGE_IDS at a time, loaded before the
-    chunk's block loop, so no block's K/V copy waits on a page-table load and Triton's
-    pipeliner keeps the next block's copies in flight (num_stages >= 3);
+    registers (page * scale) before the dots. The page ids come CHUNK_PAGE_IDS at a time,
+    loaded before the chunk's block loop, so no block's K/V copy waits on a page-table load
+    and Triton's pipeliner keeps the next block's copies in flight (num_stages >= 3);
   - new keys/values: tokens from the row's first new token up to the tile's last token,
     masked causally (key token <= query token).
 With a sliding window W (spec.sliding_window) both start at the window start of the tile's
