@@ -191,7 +191,7 @@ def _attend_cached_keys(
             slot = (pages[:, None], lax.rem(positions, page_size)[:, None], lanes)
             mask = jnp.broadcast_to(valid[:, None], (block_k, head_dim))
             k, v = (
-                plgpu.load(kv_ref.at[(layer, kv_index, kv_head, *slot)], mask=mask, other=0)
+                plgpu.load(kv_ref.at[(layer, kv_index, kv_head, *slot)], mask=mask, other=0.0)
                 for kv_index in (0, 1)
             )
             if quantized:  # rows times their scales; masked rows load scale 0
