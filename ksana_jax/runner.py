@@ -259,11 +259,8 @@ class ModelRunner:
         self.model = model
         self.config = config
         platform = jax.default_backend()
-        self.backend = resolve_backend(
-            config.attention_backend,
-            platform,
-            getattr(jax.local_devices()[0], "compute_capability", None),
-        )
+        capability = getattr(jax.local_devices()[0], "compute_capability", None)
+        self.backend = resolve_backend(config.attention_backend, platform, capability)
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, model.dtype, platform, self.backend)
         self.plan = model.plan
         # A TPU pads the row-major KV's head_dim rows to its 128 lanes (kv_row_major_format).
@@ -286,6 +283,7 @@ class ModelRunner:
             specs=registry.attention_specs(model.config),
             num_heads=model.config.num_attention_heads,
             dtype=model.dtype,
+            compute_capability=capability,
         )
         kv_sharding = self.plan.kv_sharding(self.kv_spec.shape)
         self.step = engine_step
