@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+DRAFTED = -1  # a draft model's proposal: the step fills it in on the device (draft.py)
 ACCEPTANCE_DECAY = 0.8  # weight of the past in a row's running acceptance
 ACCEPTANCE_RECOVERY = 0.005  # per step without proposals a turned-down row drifts back to 1
 # (from 0.15 to 0.2 in ~12 steps: a row that stopped paying is retried now and then)
@@ -42,7 +43,7 @@ class SpeculativeConfig:
     """vLLM's `speculative_config` names; `disable_by_batch_size` and `min_acceptance` say
     where speculation turns itself down."""
 
-    method: str = "ngram"
+    method: str | None = None  # "ngram", or "draft_model" when `model` is given
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -51,14 +52,16 @@ class SpeculativeConfig:
     min_acceptance: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.model is not None:
-            raise ValueError(
-                "speculative_config.model: draft models are not supported yet; use "
-                '{"method": "ngram", ...}'
-            )
+        if self.method is None:
+            object.__setattr__(self, "method", "ngram" if self.model is None else "draft_model")
         if self.method not in METHODS:
             raise ValueError(
                 f"speculative_config.method must be one of {METHODS}, got {self.method!r}"
+            )
+        if (self.method == "draft_model") != isinstance(self.model, str):
+            raise ValueError(
+                f"speculative_config.model must be a draft model's path exactly when the method "
+                f"is 'draft_model' (method {self.method!r}, model {self.model!r})"
             )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "disable_by_batch_size"):
             value = getattr(self, name)
@@ -138,6 +141,9 @@ class Speculator:
                 continue
             if r.spec_acceptance < cfg.min_acceptance:
                 r.spec_acceptance += (1.0 - r.spec_acceptance) * ACCEPTANCE_RECOVERY
+                continue
+            if cfg.method == "draft_model":
+                out[r] = [DRAFTED] * cfg.num_speculative_tokens
                 continue
             tokens = np.asarray(r.all_token_ids, np.int64)
             draft = ngram_proposal(
