@@ -34,8 +34,12 @@ from ksana_jax.step_inputs import StepInputs
 
 
 def load_draft(path: str, target: Model, dtype: str, tensor_parallel_size: int) -> Model:
-    """The draft model at `path`; a vocabulary other than the target's is a ValueError."""
-    draft = load(path, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
+    """The draft model at `path`; one that does not load, or has a vocabulary other than the
+    target's, is a ValueError naming speculative_config.model."""
+    try:
+        draft = load(path, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config.model: cannot load {path!r}: {e}") from e
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(
             f"speculative_config.model: the draft {path!r} has a vocabulary of "

@@ -1,18 +1,21 @@
 """Speculative decoding on the host: the configuration, and n-gram (prompt lookup) proposals.
 
 In: the running requests at the start of a schedule. Out: up to k proposed next tokens per
-decode row. The scheduler runs each such row as a chunk of its last token plus its proposals
-(counted against the token budget, with pages for them); the step samples the target at all
+decode row (with a draft model, k DRAFTED placeholders the step fills in on the device with
+the draft's greedy proposals, see draft.py; the host learns them with the step's tokens).
+The scheduler runs each such row as a chunk of its last token plus its proposals (counted
+against the token budget, with pages for them); the step samples the target at all
 1 + k positions and the scheduler keeps the longest prefix of proposals the target agrees
 with plus the target's own token after it (`num_accepted`), rolling `num_computed_tokens`
 back over the rest, whose KV slots the next steps overwrite.
 
 Verification is exact (runner._sample_positions): at each position the step draws the
 target's token with the same seeded noise the non-speculative sampler uses for that output
-index, and a proposal is accepted iff it equals that draw. For a one-hot draft (n-gram, or a
-greedy draft) this *is* rejection sampling -- accept d with probability p(d), else draw from
-p with d removed, renormalised -- and it makes a request's tokens identical with speculation
-on or off, so speculation may switch itself on and off per step without changing outputs.
+index, and a proposal is accepted iff it equals that draw. For a one-hot draft (n-gram, or
+a greedy draft model) this *is* rejection sampling -- accept d with probability p(d), else
+draw from p with d removed, renormalised -- and it makes a request's tokens identical with
+speculation on or off, so speculation may switch itself on and off per step without changing
+outputs.
 
 Speculation turns itself down where it does not pay: no proposals while more than
 `disable_by_batch_size` requests run (a batch is already compute-bound), and none for a row

@@ -47,6 +47,11 @@ def test_serve_flag_takes_json():
         ["serve", "demo", "--speculative-config", '{"num_speculative_tokens": 3}']
     )
     assert args.speculative_config == {"num_speculative_tokens": 3}
+    draft = '{"model": "/ckpt/small", "num_speculative_tokens": 2}'
+    args = build_parser().parse_args(["serve", "demo", "--speculative-config", draft])
+    assert EngineConfig(speculative_config=args.speculative_config).speculative.method == (
+        "draft_model"
+    )
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "demo", "--speculative-config", "[1]"])
 
@@ -308,8 +313,10 @@ def small_draft(tmp_path_factory):
 def test_draft_with_another_vocabulary_is_refused(tiny_model, tmp_path):
     path = tmp_path / "hf"
     write_tiny_hf(path, vocab_size=TINY_VOCAB + 32, num_hidden_layers=1)
-    with pytest.raises(ValueError, match=r"speculative_config\.model"):
+    with pytest.raises(ValueError, match=r"speculative_config\.model.*vocabulary"):
         LLM(tiny_model, warm_up=False, speculative_config=_draft(path), **BASE)
+    with pytest.raises(ValueError, match=r"speculative_config\.model.*cannot load"):
+        LLM(tiny_model, warm_up=False, speculative_config=_draft(tmp_path / "none"), **BASE)
 
 
 # small KV (preemption), 24-token steps (chunked prefill), prefix caching on; one bucket
