@@ -37,7 +37,8 @@ CUDA. This script sets JAX_PLATFORMS=cpu itself, which skips that.
     pip install --no-deps --target .venv/gpu-aot "jax-cuda12-plugin==$v" \\
         "jax-cuda12-pjrt==$v" "nvidia-cuda-nvcc-cu12==12.9.86"
     PYTHONPATH=.venv/gpu-aot python benchmarks/gpu_aot_compile.py [--gpus h200,a100,l4]
-        [--model llama3_8b,smollm2,head256] [--dtypes bfloat16,float32] [--engine-step]
+        [--model llama3_8b,smollm2,head256] [--dtypes bfloat16,float32,int8,float8_e4m3fn]
+        [--engine-step]
         [--launch 4x3,8x2] [--reference] [--json results.json]
 
 tests/test_gpu_aot.py runs it in CI (.ci/run installs the plugin as above).
@@ -69,7 +70,7 @@ import jax.numpy as jnp
 from aot_engine_step import lower_decode_step, placed, whole_kv_copies
 from jax.experimental import topologies
 
-from ksana_jax.kv_cache import float_kv_shapes
+from ksana_jax.kv_cache import KVCache, float_kv_shapes, is_quantized
 from ksana_jax.pallas_kernels import (
     paged_attention_gpu,
     paged_attention_gpu_launches,
@@ -264,21 +265,37 @@ def attention_shapes(rows, num_heads: int, num_kv_heads: int, head_dim: int, dty
     return jax.eval_shape(batch)
 
 
+def quantized_kv_shapes(kv, kv_dtype):
+    """The abstract KVCache of `kv`'s page shape with `kv_dtype` (int8 / fp8) pages and their
+    float32 row scales."""
+    pages = kv.pages.shape
+    return KVCache(
+        jax.ShapeDtypeStruct(pages, kv_dtype), jax.ShapeDtypeStruct(pages[:5], jnp.float32)
+    )
+
+
 def kernels(model: str, dtype, workloads, extra_launches=(), reference_too=False):
     """(name, launch plan, jitted function, argument shapes) of each GPU kernel at a model's
     shapes: attention per workload (its default launches, then with each of
     `extra_launches` (warps, stages), then, with `reference_too`, the jnp reference through
-    XLA), and both KV writes at the mixed workload's tokens (no plan: one launch)."""
+    XLA), and both KV writes at the mixed workload's tokens (no plan: one launch). A
+    `dtype` of int8 / float8_e4m3fn is a quantized KV of it, with float32 queries and new K/V
+    (as the model passes them: the kernel then dots in float32)."""
     num_heads, num_kv_heads, head_dim = MODELS[model]
+    kv_dtype = dtype
+    if is_quantized(dtype):
+        dtype = jnp.dtype(jnp.float32)
     found = []
     for workload in workloads:
         shapes = attention_shapes(WORKLOADS[workload], num_heads, num_kv_heads, head_dim, dtype)
+        if kv_dtype != dtype:
+            shapes = (*shapes[:3], quantized_kv_shapes(shapes[3], kv_dtype), *shapes[4:])
         spec = attention_spec(workload, head_dim)
         for warps, stages in [(None, None), *extra_launches]:
             named = {} if warps is None else dict(num_warps=warps, num_stages=stages)
             plan = paged_attention_gpu_launches.plan_launches(
                 shapes[0].shape,
-                shapes[3].shape,
+                shapes[3].pages.shape,
                 dtype,
                 shapes[5].shape,
                 sliding_window=spec.sliding_window,
@@ -293,6 +310,8 @@ def kernels(model: str, dtype, workloads, extra_launches=(), reference_too=False
     num_tokens = sum(n for _, n in WORKLOADS["mixed"])
     kv = attention_shapes(WORKLOADS["mixed"], num_heads, num_kv_heads, head_dim, dtype)[3]
     kv = float_kv_shapes(sds((4, *kv.pages.shape[1:]), dtype))  # 4 layers: the every-layer write
+    if kv_dtype != dtype:
+        kv = quantized_kv_shapes(kv, kv_dtype)
     new = sds((num_tokens, num_kv_heads, head_dim), dtype)
     slots = sds((num_tokens,), jnp.int32)
     write_all = jax.jit(write_kv_pages_gpu.write_kv_pages, donate_argnums=0)

@@ -33,7 +33,7 @@ from aot_engine_step import lower_decode_step, placed, whole_kv_copies
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ksana_jax.kv_cache import float_kv_shapes
+from ksana_jax.kv_cache import KVCacheSpec, abstract_kv, float_kv_shapes
 from ksana_jax.pallas_kernels import ragged_paged_attention_tpu, write_kv_pages_tpu
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
@@ -43,16 +43,33 @@ MODELS = [("smollm2", 30, 9, 3, 64), ("llama3_8b", 32, 32, 8, 128), ("gemma3_4b"
 # attention soft-cap (both features compiled in one kernel).
 FEATURES = {"gemma3_4b": dict(sliding_window=1024, logit_softcap=50.0)}
 PAGE_SIZE, NUM_PAGES, PAGES_PER_SEQ = 16, 512, 64  # contexts up to 1024
+QUANTIZED_PAGE_SIZE = 32  # Mosaic's (32, 128) tile of 8-bit arrays (contexts up to 2048)
+# (parameter dtype, KV dtype): float KV in the parameters' dtype, and bf16 with int8 / fp8 KV.
+DTYPES = [
+    (jnp.bfloat16, None),
+    (jnp.float32, None),
+    (jnp.bfloat16, "int8"),
+    (jnp.bfloat16, "float8_e4m3fn"),
+]
 # (T tokens, S rows): a mixed bucket (8 tokens a row: 8-token query blocks) and a decode
 # bucket (one token a row: the smallest query blocks).
 BUCKETS = {"mixed": (128, 16), "decode": (64, 64)}
 
 
-def kernels(num_layers, num_heads, num_kv_heads, head_dim, dtype, features=None):
+def kernels(num_layers, num_heads, num_kv_heads, head_dim, dtype, features=None, kv_dtype=None):
     """(name, jitted function, argument shapes) of each TPU kernel at these shapes; attention
-    with `features` (AttentionSpec fields: window, soft-cap) if given."""
+    with `features` (AttentionSpec fields: window, soft-cap) if given. `kv_dtype` int8 /
+    float8_e4m3fn: quantized pages of QUANTIZED_PAGE_SIZE rows with their scales, queries and
+    new K/V in `dtype`; None: float pages of `dtype` (queries in float32)."""
     sds = jax.ShapeDtypeStruct
-    kv = float_kv_shapes(sds((num_layers, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim), dtype))
+    if kv_dtype is None:
+        shape = (num_layers, 2, num_kv_heads, NUM_PAGES, PAGE_SIZE, head_dim)
+        kv, q_dtype = float_kv_shapes(sds(shape, dtype)), jnp.float32
+    else:
+        spec = KVCacheSpec(
+            num_layers, num_kv_heads, NUM_PAGES, QUANTIZED_PAGE_SIZE, head_dim, kv_dtype
+        )
+        kv, q_dtype = abstract_kv(spec), dtype
     i32 = jnp.int32
     spec = AttentionSpec(head_dim**-0.5, **(features or {}))
     attention = jax.jit(
@@ -62,7 +79,7 @@ def kernels(num_layers, num_heads, num_kv_heads, head_dim, dtype, features=None)
     for bucket, (num_tokens, num_seqs) in BUCKETS.items():
         new = sds((num_tokens, num_kv_heads, head_dim), dtype)
         attention_args = (
-            sds((num_tokens, num_heads, head_dim), jnp.float32),
+            sds((num_tokens, num_heads, head_dim), q_dtype),
             new,
             new,
             kv,
@@ -146,18 +163,19 @@ def main() -> None:
             "docstring says"
         ) from None
     failures = 0
-    print(f"{'topology':10s} {'model':10s} {'dtype':9s} {'kernel':17s} result")
+    print(f"{'topology':10s} {'model':10s} {'dtype[/KV dtype]':22s} {'kernel':17s} result")
     for topology in args.topologies.split(","):
         for name, *shape in MODELS:
-            for dtype in (jnp.bfloat16, jnp.float32):  # float16: refused, see kv_layout
-                for kernel, fn, shapes in kernels(*shape, dtype, FEATURES.get(name)):
+            for dtype, kv_dtype in DTYPES:  # float16: refused, see kv_layout
+                features = FEATURES.get(name)
+                for kernel, fn, shapes in kernels(*shape, dtype, features, kv_dtype):
                     try:
                         result = f"compiled in {compile_for(topology, fn, shapes):.1f} s"
                     except Exception as e:  # report every kernel, then fail at the end
                         failures += 1
                         result = f"FAILED: {str(e).splitlines()[0][:160]}"
-                    dtype_name = jnp.dtype(dtype).name
-                    print(f"{topology:10s} {name:10s} {dtype_name:9s} {kernel:17s} {result}")
+                    dtype_name = jnp.dtype(dtype).name + (f"/{kv_dtype}" if kv_dtype else "")
+                    print(f"{topology:10s} {name:10s} {dtype_name:22s} {kernel:17s} {result}")
     if args.engine_step:
         import ksana_jax
         from ksana_jax.demo import demo_checkpoint

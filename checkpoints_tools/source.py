@@ -46,15 +46,20 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 def hf_tensor_names(cfg: ModelConfig) -> list[str]:
-    """Every HF tensor name this config needs, in a stable order."""
+    """Every HF tensor name this config needs, in a stable order (one per expert)."""
     family = registry.family_of(cfg.model_type)
     shapes = family.param_shapes(cfg)
     names = [hf for hf, ours in family.hf_top.items() if ours in shapes]
     for i in range(cfg.num_hidden_layers):
-        names += [
-            f"model.layers.{i}.{hf}" for hf, ours in family.hf_layer.items() if ours in shapes
-        ]
+        for hf, ours in family.hf_layer.items():
+            if ours in shapes and i in family.param_layers(cfg, ours):
+                names += [f"model.layers.{i}.{name}" for name in _experts(hf, shapes[ours])]
     return names
+
+
+def _experts(hf: str, shape: tuple[int, ...]) -> list[str]:
+    """A per-layer HF name, or for an expert's ("experts.*.") one name per expert."""
+    return [hf.replace(".*.", f".{e}.") for e in range(shape[1])] if ".*." in hf else [hf]
 
 
 class ParamAssembler:
@@ -64,6 +69,10 @@ class ParamAssembler:
     def __init__(self, cfg: ModelConfig, dtype: str, quantization: str | None = None):
         if quantization is not None:
             quant.check_format(quantization)
+            try:
+                quant.check_model(cfg)
+            except ValueError as e:
+                raise ConversionError(str(e)) from None
         self._cfg = cfg
         self._family = registry.family_of(cfg.model_type)
         self._dtype = np.dtype(jnp.dtype(dtype))
@@ -82,13 +91,42 @@ class ParamAssembler:
         self._missing = set(hf_tensor_names(cfg))
         self.requantized_mixed: list[str] = []  # flat names, see _stack
 
-    def _target(self, hf_name: str) -> tuple[str, int | None] | None:
+    def _target(self, hf_name: str) -> tuple[str, int | None, int | None] | None:
+        """(flat name, layer or None, expert or None) of an HF name."""
         if hf_name in self._family.hf_top:
-            return self._family.hf_top[hf_name], None
+            return self._family.hf_top[hf_name], None, None
         match = registry.HF_LAYER.fullmatch(hf_name)
-        if match and match.group(2) in self._family.hf_layer:
-            return self._family.hf_layer[match.group(2)], int(match.group(1))
+        if match:
+            name, expert = registry.expert_name(match.group(2))
+            if name in self._family.hf_layer:
+                return self._family.hf_layer[name], int(match.group(1)), expert
         return None
+
+    def _slot(self, hf_name: str, name: str, layer: int | None, expert: int | None) -> tuple:
+        """The index into the stacked array `name` that `hf_name` fills, and its shape."""
+        shape = self._shapes[name]
+        if layer is None:
+            return (), shape
+        if layer >= self._cfg.num_hidden_layers:
+            raise ConversionError(
+                f"tensor {hf_name!r} is for layer {layer}, but the config has "
+                f"{self._cfg.num_hidden_layers} layers"
+            )
+        holders = self._family.param_layers(self._cfg, name)
+        if layer not in holders:
+            raise ConversionError(
+                f"unexpected tensor {hf_name!r}: layer {layer} of this config has no {name} "
+                f"(layers {list(holders)} do)"
+            )
+        index = (holders.index(layer),)
+        if expert is not None:
+            if expert >= shape[1]:
+                raise ConversionError(
+                    f"tensor {hf_name!r} is for expert {expert}, but the config has "
+                    f"{shape[1]} experts"
+                )
+            return (*index, expert), shape[2:]
+        return index, shape[1:]
 
     def put(self, hf_name: str, value: np.ndarray | quant.QuantizedMatrix) -> None:
         """Places one HF-named tensor ((out, in) for matrices), float or already quantized
@@ -105,17 +143,12 @@ class ParamAssembler:
                 f"unexpected tensor {hf_name!r} for a {self._cfg.model_type} "
                 "model (is the architecture supported?)"
             )
-        name, layer = target
+        name, layer, expert = target
         if name not in self._shapes:
             if name == "lm_head" and self._cfg.tie_word_embeddings:
                 return  # tied checkpoints sometimes store a copy of the embeddings
             raise ConversionError(f"unexpected tensor {hf_name!r}: the config does not use it")
-        shape = self._shapes[name][1:] if layer is not None else self._shapes[name]
-        if layer is not None and layer >= self._cfg.num_hidden_layers:
-            raise ConversionError(
-                f"tensor {hf_name!r} is for layer {layer}, but the config has "
-                f"{self._cfg.num_hidden_layers} layers"
-            )
+        index, shape = self._slot(hf_name, name, layer, expert)
         if tuple(value.shape) != tuple(shape):
             raise ConversionError(
                 f"tensor {hf_name!r} has shape {tuple(value.shape)}, expected {tuple(shape)}"
@@ -126,11 +159,13 @@ class ParamAssembler:
                     value = quant.quantize(value, self._quantization, str(self._dtype))
                 except ValueError as e:
                     raise ConversionError(f"tensor {hf_name!r}: {e}") from None
-            self._quantized[name][layer] = dataclasses.replace(value, dtype=str(self._dtype))
-        elif layer is None:
-            self._arrays[name][...] = _float(value).astype(self._dtype)
+            self._quantized[name][index[0] if index else None] = dataclasses.replace(
+                value, dtype=str(self._dtype)
+            )
         else:
-            self._arrays[name][layer] = _float(value).astype(self._dtype)
+            self._arrays[name][index] = _float(value).astype(self._dtype)
+        if ".*." in hf_name:  # a stacked tensor of every expert (GGUF's ffn_*_exps)
+            self._missing -= set(_experts(hf_name, self._shapes[name]))
         self._missing.discard(hf_name)
 
     def finish(self) -> registry.Params:
@@ -144,7 +179,7 @@ class ParamAssembler:
         flat: dict[str, Any] = dict(self._arrays)
         for name, parts in self._quantized.items():
             flat[name] = parts[None] if None in parts else self._stack(name, parts)
-        return registry.params_from_flat(flat)
+        return registry.params_from_flat(flat, self._cfg)
 
     def _stack(self, name: str, parts: dict[int, quant.QuantizedMatrix]) -> Any:
         """The layers' matrices stacked on L. Layers kept in different formats (a GGUF that

@@ -283,7 +283,7 @@ def load_params(
     sys.unraisablehook = previous_hook  # nothing failed, so nothing late to silence
     for name, fmt in formats.items():
         flat[name] = quant.from_arrays(fmt, flat[name], dtype)
-    return registry.params_from_flat(flat)
+    return registry.params_from_flat(flat, cfg)
 
 
 def _fitting(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> jax.sharding.Sharding:

@@ -331,6 +331,21 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="close a connection whose request line and headers take longer (default 10)",
     )
     p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how chat answers under tool_choice auto are read: hermes (<tool_call> JSON "
+        "blocks: Qwen2.5, Qwen3, SmolLM2) or llama3_json (Llama 3.x); default: from the chat "
+        "template's own format",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split <think>...</think> into message.reasoning_content: qwen3 or deepseek_r1 "
+        "(default: none, the text stays content)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -385,6 +400,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         max_pending_requests=args.max_pending_requests,
         log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     return 0
 

@@ -27,6 +27,8 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+DENSE_MLP, MOE_MLP = "dense", "moe"  # per-layer feed-forward kinds (ModelConfig.mlp_types)
+MLP_TYPES = (DENSE_MLP, MOE_MLP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,16 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     rope_local_theta: float | None = None  # rope base of sliding layers, unscaled (Gemma 3)
     rope_freq_factors: tuple[float, ...] | None = None  # H/2 divisors of inv_freq (GGUF)
+    # Mixture of experts (models/moe.py): per layer, DENSE_MLP or MOE_MLP; () = all dense.
+    mlp_types: tuple[str, ...] = ()
+    num_experts: int = 0  # E, routed experts of an MoE layer
+    num_experts_per_tok: int = 0  # top-k experts each token is routed to
+    moe_intermediate_size: int = 0  # F of one expert
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    # Placement, not a property of the checkpoint (never in config.json): experts split over
+    # the tensor-parallel devices (EngineConfig.enable_expert_parallel) instead of each
+    # expert's F. Static, so the compiled step knows which collective the MoE layer runs.
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         from ksana_jax.models import registry  # the families import this module
@@ -121,6 +133,20 @@ class ModelConfig:
         unknown = sorted(set(layer_types) - set(LAYER_TYPES))
         if unknown:
             raise ValueError(f"unsupported layer_types {unknown}; supported: {LAYER_TYPES}")
+        mlp_types = tuple(self.mlp_types) or (DENSE_MLP,) * self.num_hidden_layers
+        object.__setattr__(self, "mlp_types", mlp_types)
+        if len(mlp_types) != self.num_hidden_layers or set(mlp_types) - set(MLP_TYPES):
+            raise ValueError(
+                f"mlp_types must be {self.num_hidden_layers} values from {MLP_TYPES}, "
+                f"got {mlp_types}"
+            )
+        if MOE_MLP in mlp_types:
+            e, k, f = self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size
+            if not (e >= 1 and 1 <= k <= e and f >= 1):
+                raise ValueError(
+                    f"MoE layers need num_experts >= 1 (got {e}), 1 <= num_experts_per_tok <= "
+                    f"num_experts (got {k}) and moe_intermediate_size >= 1 (got {f})"
+                )
         window = self.sliding_window
         if SLIDING_ATTENTION in layer_types and (not isinstance(window, int) or window < 1):
             raise ValueError(f"sliding layers need a positive sliding_window, got {window!r}")
@@ -133,6 +159,10 @@ class ModelConfig:
     def sm_scale(self) -> float:
         """The factor on q . k before softmax (Gemma: query_pre_attn_scalar ** -0.5)."""
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_ids(self, mlp_type: str) -> tuple[int, ...]:
+        """Indices of the layers whose feed-forward is `mlp_type` (DENSE_MLP or MOE_MLP)."""
+        return tuple(i for i, t in enumerate(self.mlp_types) if t == mlp_type)
 
     def layer_window(self, layer_index: int) -> int | None:
         """Layer `layer_index`'s sliding window W, or None for full attention."""
@@ -212,6 +242,14 @@ class ModelConfig:
             if self.rope_freq_factors is None
             else list(self.rope_freq_factors),
         }
+        if MOE_MLP in self.mlp_types:
+            optional |= {
+                "mlp_types": list(self.mlp_types),
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "norm_topk_prob": self.norm_topk_prob,
+            }
         return out | {k: v for k, v in optional.items() if v is not None}
 
 
@@ -434,6 +472,12 @@ class EngineConfig:
         "devices the model is split over: attention by heads, MLP and vocabulary by "
         "columns/rows (see docs/deploy.md)",
     )
+    enable_expert_parallel: bool = _field(
+        False,
+        "MoE models: split the experts over the tensor-parallel devices (each holds "
+        "num_experts / tp whole experts; attention stays split by heads) instead of "
+        "splitting every expert's intermediate dim",
+    )
     seed: int = _field(0, "draws the seeds of requests that give none")
     async_scheduling: bool = _field(
         False,
@@ -476,7 +520,7 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("enable_prefix_caching", "async_scheduling"):
+        for name in ("enable_prefix_caching", "async_scheduling", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.speculative_config is not None:

@@ -27,17 +27,24 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ksana_jax.config import EngineConfig
 from ksana_jax.kv_cache import SINK_PAGE, KVCache
 from ksana_jax.model import Model, load
 from ksana_jax.models import registry
 from ksana_jax.step_inputs import StepInputs
 
 
-def load_draft(path: str, target: Model, dtype: str, tensor_parallel_size: int) -> Model:
-    """The draft model at `path`; one that does not load, or has a vocabulary other than the
-    target's, is a ValueError naming speculative_config.model."""
+def load_draft(path: str, target: Model, config: EngineConfig) -> Model:
+    """The draft model at `path`, placed as `config` places the target; one that does not
+    load, or has a vocabulary other than the target's, is a ValueError naming
+    speculative_config.model."""
     try:
-        draft = load(path, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
+        draft = load(
+            path,
+            dtype=config.dtype,
+            tensor_parallel_size=config.tensor_parallel_size,
+            enable_expert_parallel=config.enable_expert_parallel,
+        )
     except (OSError, ValueError) as e:
         raise ValueError(f"speculative_config.model: cannot load {path!r}: {e}") from e
     if draft.config.vocab_size != target.config.vocab_size:

@@ -107,7 +107,7 @@ class LLMEngine:
                 f"({model.config.max_position_embeddings})"
             )
         model = model.with_quantization(config.quantization).with_tensor_parallel(
-            config.tensor_parallel_size
+            config.tensor_parallel_size, config.enable_expert_parallel
         )
         self.model = model
         self.config = config
@@ -115,7 +115,7 @@ class LLMEngine:
         spec = config.speculative
         draft_model = None
         if spec is not None and spec.model is not None:
-            draft_model = load_draft(spec.model, model, config.dtype, config.tensor_parallel_size)
+            draft_model = load_draft(spec.model, model, config)
         self.runner = ModelRunner(model, config, draft_model)
         self.speculator = Speculator(spec) if spec is not None else None
         cache = PrefixCache(config.page_size) if config.enable_prefix_caching else None

@@ -66,6 +66,7 @@ class LLM:
                 dtype=self.config.dtype,
                 tensor_parallel_size=self.config.tensor_parallel_size,
                 quantization=self.config.quantization,
+                enable_expert_parallel=self.config.enable_expert_parallel,
             )
         self.model = model
         self.tokenizer = model.tokenizer

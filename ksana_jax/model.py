@@ -86,6 +86,7 @@ class Model:
         is not requantized another (convert the float source instead)."""
         if quantization is None or quantization == self.quantization:
             return self
+        quant.check_model(self.config)
         if self.quantization is not None:
             raise ValueError(
                 f"the model is already quantized as {self.quantization}, not {quantization}; "
@@ -95,12 +96,17 @@ class Model:
         params = self.plan.shard_params(params)
         return dataclasses.replace(self, params=params, quantization=quantization)
 
-    def with_tensor_parallel(self, tensor_parallel_size: int) -> Model:
-        """This model split over `tensor_parallel_size` devices (moved shard by shard)."""
-        if tensor_parallel_size == self.plan.tensor_parallel_size:
+    def with_tensor_parallel(
+        self, tensor_parallel_size: int, enable_expert_parallel: bool = False
+    ) -> Model:
+        """This model split over `tensor_parallel_size` devices (moved shard by shard); an MoE
+        model's experts split whole with `enable_expert_parallel` (sharding.py)."""
+        config = with_expert_parallel(self.config, enable_expert_parallel)
+        if tensor_parallel_size == self.plan.tensor_parallel_size and config == self.config:
             return self
-        plan = sharding.make_plan(self.config, tensor_parallel_size)
-        return dataclasses.replace(self, params=plan.shard_params(self.params), plan=plan)
+        plan = sharding.make_plan(config, tensor_parallel_size)
+        params = plan.shard_params(self.params)
+        return dataclasses.replace(self, config=config, params=params, plan=plan)
 
     def logits(self, token_ids: Sequence[int], page_size: int = 16) -> np.ndarray:
         """Logits f32[T, V] at every position of `token_ids`, via one paged prefill."""
@@ -129,12 +135,19 @@ class Model:
         return sharding.fetch(out)[:n]
 
 
+def with_expert_parallel(config: ModelConfig, enable: bool) -> ModelConfig:
+    """`config` placed with its experts split whole over the devices (an MoE model only: for a
+    dense model the option changes nothing)."""
+    return dataclasses.replace(config, expert_parallel=enable and config.num_experts > 0)
+
+
 def load(
     path: str | Path,
     dtype: str = "auto",
     tensor_parallel_size: int = 1,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
+    enable_expert_parallel: bool = False,
 ) -> Model:
     """Loads a checkpoint directory, an HF directory or a GGUF file.
 
@@ -148,6 +161,8 @@ def load(
         head) on the host before it is placed (quant.py); None keeps the checkpoint's.
       kv_cache_dtype: the KV dtype `Model.logits` and `generate` run through ("auto", a
         float dtype, or quantized "int8" / "fp8"; see kv_cache.py).
+      enable_expert_parallel: an MoE model's experts split whole over the devices, each
+        restored straight onto its device (else every expert's F is split).
     """
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {DTYPES}")
@@ -157,6 +172,7 @@ def load(
     path = Path(resolve_model(str(path)))  # `demo`: the bundled model
     if checkpoint.is_checkpoint_dir(path):
         config = checkpoint.validate(path)  # names a missing or damaged file before any read
+        config = with_expert_parallel(config, enable_expert_parallel)
         target = config.dtype if dtype == "auto" else dtype
         plan = sharding.make_plan(config, tensor_parallel_size)
         shapes = registry.param_shapes(config)
@@ -173,7 +189,8 @@ def load(
 
         source = read_source(path, None if dtype == "auto" else dtype, quantization)
         stored = source.quantization
-        config, tokenizer = source.config, Tokenizer.from_files(source.tokenizer_files)
+        config = with_expert_parallel(source.config, enable_expert_parallel)
+        tokenizer = Tokenizer.from_files(source.tokenizer_files)
         plan = sharding.make_plan(config, tensor_parallel_size)
         params = plan.shard_params(source.params)
         generation = source.generation_config or {}

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ksana_jax.config import QUANTIZATIONS
+from ksana_jax.config import MOE_MLP, QUANTIZATIONS
 
 GROUP_SIZE = 32  # int4 groups, Q8_0 / Q4_0 / Q4_1 blocks
 
@@ -182,6 +182,16 @@ def take_rows(m: QuantizedMatrix, ids: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- params
+
+
+def check_model(cfg: Any) -> None:
+    """Raises ValueError for a model whose weights cannot be quantized: an MoE model (its
+    expert weights, most of its bytes, are float only for now)."""
+    if MOE_MLP in cfg.mlp_types:
+        raise ValueError(
+            f"quantization is not supported for mixture-of-experts models ({cfg.model_type}: "
+            "expert weights are float only); load it without quantization"
+        )
 
 
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:

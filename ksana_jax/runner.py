@@ -281,11 +281,8 @@ class ModelRunner:
         self.draft = draft_model  # speculative decoding's draft model (draft.py), or None
         self.config = config
         platform = jax.default_backend()
-        self.backend = resolve_backend(
-            config.attention_backend,
-            platform,
-            getattr(jax.local_devices()[0], "compute_capability", None),
-        )
+        capability = getattr(jax.local_devices()[0], "compute_capability", None)
+        self.backend = resolve_backend(config.attention_backend, platform, capability)
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, model.dtype, platform, self.backend)
         self.plan = model.plan
         # A TPU pads the row-major KV's head_dim rows to its 128 lanes (kv_row_major_format).
@@ -308,6 +305,7 @@ class ModelRunner:
             specs=registry.attention_specs(model.config),
             num_heads=model.config.num_attention_heads,
             dtype=model.dtype,
+            compute_capability=capability,
         )
         kv_sharding = self.plan.kv_sharding(self.kv_spec.shape)
         self.step = engine_step
@@ -326,6 +324,7 @@ class ModelRunner:
                 specs=registry.attention_specs(draft_model.config),
                 num_heads=draft_model.config.num_attention_heads,
                 dtype=draft_model.dtype,
+                compute_capability=capability,
             )
             self.draft_kv = allocate_kv(spec, draft_model.plan.kv_sharding(spec.shape))
         num_slots = config.max_num_seqs + 1  # the last is the padding rows' sink

@@ -24,7 +24,14 @@ parameters' logical axes, e.g. llama.PARAM_AXES):
     kv_heads K*H   wk, wv, bk, bv column-split; KV pages by head   -> model
     mlp      F     w_gate, w_up column-split; w_down row-split     -> (model, kv_replica)
     vocab    V     embed and lm_head, both [V, D], split by vocab  -> (model, kv_replica)
+    expert_mlp  F of each expert (MoE, models/moe.py), split as mlp -> (model, kv_replica)
+    experts  E     with expert parallelism instead: whole experts  -> (model, kv_replica)
     embed    D, layers L, head_dim H, pages, ...                   -> never split
+
+A mixture of experts is tensor-parallel like the dense MLP (every device holds every expert's
+slice of F), or with `ModelConfig.expert_parallel` (EngineConfig.enable_expert_parallel) each
+device holds E / tp whole experts, which tp must divide; attention is split by heads either way.
+The MoE layer runs under shard_map and ends with one all-reduce (moe.py says why).
 
 Embeddings and the LM head are split by vocabulary, not by model dim: the LM head is then
 column-parallel, each device computes its V/tp logits with no communication, and sampling
@@ -180,7 +187,8 @@ class ShardingPlan:
         if self.mesh.size == 1:
             return f"mesh ({shape}): one device"
         attention = "split by heads" if self.heads_split else "replicated (heads do not divide)"
-        return f"mesh ({shape}) over {self.mesh.size} devices; attention {attention}"
+        experts = "; experts split whole (expert parallel)" if "experts" in self.rules else ""
+        return f"mesh ({shape}) over {self.mesh.size} devices; attention {attention}{experts}"
 
 
 def make_plan(
@@ -196,6 +204,11 @@ def make_plan(
     tp, dp = tensor_parallel_size, data_parallel_size
     if tp < 1 or dp < 1:
         raise ValueError(f"tensor_parallel_size ({tp}) and data_parallel_size ({dp}) must be >= 1")
+    if cfg.expert_parallel and cfg.num_experts % tp:
+        raise ValueError(
+            f"enable_expert_parallel needs num_experts ({cfg.num_experts}) divisible by "
+            f"tensor_parallel_size ({tp})"
+        )
     devices = list(jax.devices() if devices is None else devices)
     if tp * dp > len(devices):
         raise ValueError(
@@ -217,6 +230,10 @@ def make_plan(
         devices=devices[: tp * dp],
     )
     rules = {"vocab": TENSOR, "mlp": TENSOR}
+    if cfg.expert_parallel:
+        rules["experts"] = TENSOR
+    else:
+        rules["expert_mlp"] = TENSOR
     if split is not None and tp > 1:
         rules |= {"q_heads": TENSOR, "kv_heads": (MODEL,)}
     return ShardingPlan(

@@ -29,6 +29,7 @@ from server import schemas as s
 from server.errors import APIError, clip
 from server.limits import RequestLimits, check_body, check_stop
 from server.metrics import Metrics
+from server.reasoning import ThinkParser
 from server.tokenize_pool import HostWork
 
 
@@ -42,6 +43,8 @@ class ServerState:
     limits: RequestLimits
     work: HostWork  # tokenizing and checking requests, off the event loop
     sampling: tuple[tuple[str, Any], ...] = ()  # (field, default) for fields left out
+    tool_parser: str = "hermes"  # how "auto" tool calls are read (server/tool_parsers.py)
+    reasoning: ThinkParser | None = None  # --reasoning-parser (server/reasoning.py)
     draining: bool = False  # shutting down: no new requests
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     pending: int = 0  # engine requests (one per prompt and sample) queued or running

@@ -40,8 +40,10 @@ from server.completions import create_completion
 from server.errors import EXCEPTION_HANDLERS
 from server.limits import RequestLimits
 from server.metrics import Metrics
+from server.reasoning import ThinkParser
 from server.tokenize_pool import HostWork
 from server.tokens import detokenize, tokenize
+from server.tool_parsers import PARSERS, parser_for_template
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -81,6 +83,16 @@ def start_workers(app: Litestar) -> None:
     app.state.server.work.start()
 
 
+def check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """A ValueError naming the option if either parser does not exist."""
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(
+            f"tool_call_parser must be one of {sorted(PARSERS)}, got {tool_call_parser!r}"
+        )
+    if reasoning_parser is not None:
+        ThinkParser(reasoning_parser)
+
+
 def create_app(
     engine: AsyncEngine,
     model_name: str = "ksana-jax",
@@ -89,12 +101,17 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     limits: RequestLimits | None = None,
     tokenizer_processes: int = 1,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> Litestar:
     """The Litestar app serving `engine` (an AsyncEngine, warmed up or warming up).
 
     `api_key`: one key or several (any of them is accepted); None: no key needed.
     `tokenizer_processes`: worker processes encoding prompts (0: worker threads).
+    `tool_call_parser`: how "auto" tool calls are read (tool_parsers.PARSERS); None: the one
+    the chat template's format needs. `reasoning_parser`: "qwen3" | "deepseek_r1" | None.
     """
+    check_parsers(tool_call_parser, reasoning_parser)
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     # Queued tokenizing jobs are bounded like the requests in flight (--max-pending-requests).
     work = HostWork(
@@ -111,6 +128,8 @@ def create_app(
         limits or RequestLimits(),
         work,
         tuple(sampling_defaults(engine.generation_config).items()),
+        tool_call_parser or parser_for_template(engine.tokenizer.chat_template),
+        ThinkParser(reasoning_parser) if reasoning_parser else None,
     )
     return Litestar(
         on_shutdown=[work.shutdown],

@@ -1,10 +1,12 @@
 """POST /v1/chat/completions: messages -> the checkpoint's chat template -> text.
 
-    in:  a ChatCompletionRequest: messages (text content, or text parts joined), sampling
-         fields, n, logprobs/top_logprobs, max_completion_tokens, stream
-    out: a ChatCompletionResponse with n assistant messages, or, streaming, per choice a
-         role chunk, content chunks (the engine's deltas as they come), a finish chunk, the
-         usage chunk if asked for, then `[DONE]`
+    in:  a ChatCompletionRequest: messages (text content, or text parts joined; an
+         assistant's tool_calls, tool results), tools/tool_choice, sampling fields, n,
+         logprobs/top_logprobs, max_completion_tokens, stream
+    out: a ChatCompletionResponse with n assistant messages (content, reasoning_content,
+         tool_calls: server/tools.py), or, streaming, per choice a role chunk, delta chunks
+         (the engine's deltas as they come, split into content, reasoning and tool-call
+         deltas), a finish chunk, the usage chunk if asked for, then `[DONE]`
 
 The template is applied in a worker thread and its text encoded in a worker process
 (tokenize_pool.py), off the event loop. Errors name the fields as the chat client sent them
@@ -34,6 +36,7 @@ from server.errors import APIError
 from server.logprobs import chat_logprobs
 from server.streaming import ChoiceProgress, Run, collect, event_stream
 from server.structured import constraint
+from server.tools import Answer, ChoiceStream, template_messages
 
 
 async def _chat_prompt(state: ServerState, data: s.ChatCompletionRequest) -> list[int]:
@@ -43,19 +46,13 @@ async def _chat_prompt(state: ServerState, data: s.ChatCompletionRequest) -> lis
 
 
 def chat_text(tokenizer: Tokenizer, data: s.ChatCompletionRequest | s.TokenizeRequest) -> str:
-    """The chat template applied to a body's messages (run it off the event loop)."""
-    messages = []
-    for m in data.messages:
-        content = m.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        message = {"role": m.role, "content": content or ""}
-        if m.name is not None:
-            message["name"] = m.name
-        messages.append(message)
+    """The chat template applied to a body's messages and tools (run it off the event loop)."""
+    extra = {} if data.tools is None else {"tools": data.tools}
     try:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=data.add_generation_prompt
+            template_messages(data.messages),
+            add_generation_prompt=data.add_generation_prompt,
+            **extra,
         )
     except (TemplateError, ValueError) as e:
         raise APIError(400, f"chat template: {e}", param="messages") from None
@@ -76,6 +73,10 @@ async def create_chat_completion(request: Request, data: s.ChatCompletionRequest
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     request.state.request_id = request_id
     structured, names = constraint(data.response_format, data.structured_outputs)
+    answer = Answer.of(data, state.tool_parser, state.reasoning, structured is not None)
+    if answer.constraint is not None:
+        structured = answer.constraint
+        names = {"structured_outputs.json": answer.constraint_field}
     sent_as |= names
     try:
         params = sampling_params(
@@ -96,13 +97,14 @@ async def create_chat_completion(request: Request, data: s.ChatCompletionRequest
 
     if not data.stream:
         (out,) = await collect(request, run)
-        choices = [
-            s.ChatChoice(c.index, s.AssistantMessage(c.text), logprobs(c), c.finish_reason)
-            for c in out.outputs
-        ]
+        choices = []
+        for c in out.outputs:
+            message, finish_reason = answer.message(c.text, c.finish_reason)
+            choices.append(s.ChatChoice(c.index, message, logprobs(c), finish_reason))
         return s.ChatCompletionResponse(request_id, created, state.model_name, choices, run.usage())
 
     progress = ChoiceProgress()
+    streams: dict[int, ChoiceStream] = {}
 
     def chunk(choice: s.ChatChunkChoice | None, usage: s.Usage | None = None):
         choices = [] if choice is None else [choice]
@@ -116,12 +118,19 @@ async def create_chat_completion(request: Request, data: s.ChatCompletionRequest
                 continue
             first, finished = moved
             if first:
+                streams[c.index] = answer.stream()
                 result.append(chunk(s.ChatChunkChoice(c.index, s.Delta("assistant", ""))))
+            stream = streams[c.index]
             if c.text or c.token_ids:
-                choice = s.ChatChunkChoice(c.index, s.Delta(content=c.text), logprobs(c))
-                result.append(chunk(choice))
+                delta = stream.feed(c.text)  # None: held (a tool call may be starting)
+                if delta is not None or data.logprobs:  # logprobs come with their tokens
+                    delta = delta or s.Delta(content="")
+                    result.append(chunk(s.ChatChunkChoice(c.index, delta, logprobs(c))))
             if finished:
-                result.append(chunk(s.ChatChunkChoice(c.index, s.Delta(), None, c.finish_reason)))
+                held, reason = stream.finish(c.finish_reason)
+                if held is not None:
+                    result.append(chunk(s.ChatChunkChoice(c.index, held)))
+                result.append(chunk(s.ChatChunkChoice(c.index, s.Delta(), None, reason)))
         return result
 
     def final() -> list[s.ChatCompletionChunk]:

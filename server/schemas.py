@@ -77,8 +77,6 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     suffix: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
@@ -86,14 +84,7 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _null_means_default(self)
 
 
-UNSUPPORTED_FIELDS = (
-    "best_of",
-    "suffix",
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-)
+UNSUPPORTED_FIELDS = ("best_of", "suffix", "functions", "function_call")
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -109,14 +100,36 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct, forbid_unknown_fields=True):
+    """A tool call in an assistant message (a response's, or one a client sends back)."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallOut] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    # What a client sends back of an earlier answer's message, unused by the template.
+    reasoning_content: str | None = None
+    refusal: str | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    # [{"type": "function", "function": {name, description, parameters}}] (server/tools.py)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | named
+    parallel_tool_calls: bool | None = None  # None: true
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: NonNegInt | None = None
@@ -129,6 +142,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    tools: list[dict[str, Any]] | None = None  # given to the chat template with messages
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool | None = True
 
@@ -199,8 +213,10 @@ class ChoiceLogprobs(msgspec.Struct):
 
 
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None  # --reasoning-parser
 
 
 class ChatChoice(msgspec.Struct):
@@ -222,6 +238,10 @@ class ChatCompletionResponse(msgspec.Struct):
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    # OpenAI's streamed calls: {index, id, type, function: {name, arguments: ""}} first,
+    # then {index, function: {arguments: fragment}}
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

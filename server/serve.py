@@ -27,7 +27,7 @@ from ksana_jax.demo import DEMO_NAME, cache_dir, resolve_model
 from ksana_jax.engine import LLMEngine
 from ksana_jax.model import load
 from ksana_jax.sampling_defaults import described, sampling_defaults
-from server.app import create_app, start_workers, stop_accepting
+from server.app import check_parsers, create_app, start_workers, stop_accepting
 from server.limits import RequestLimits
 from server.shutdown import Server, with_header_timeout
 
@@ -47,8 +47,11 @@ def serve(
     limits: RequestLimits | None = None,
     shutdown_timeout: float = 30,
     header_timeout: float = 10,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> None:
     start = time.perf_counter()
+    check_parsers(tool_call_parser, reasoning_parser)  # a bad name: fail before loading
     file_keys = read_api_keys(api_key_file) if api_key_file else []  # a bad file: fail first
     # A persistent compilation cache by default: a restart skips most of the warm-up.
     compile_cache = config.compilation_cache_dir or str(cache_dir() / "jax")
@@ -58,7 +61,12 @@ def serve(
     )
     path = resolve_model(model)  # `demo`: converted on first use (or its install hint)
     print(f"ksana-jax: loading {model}", file=sys.stderr, flush=True)
-    loaded = load(path, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size)
+    loaded = load(
+        path,
+        dtype=config.dtype,
+        tensor_parallel_size=config.tensor_parallel_size,
+        enable_expert_parallel=config.enable_expert_parallel,
+    )
     engine = LLMEngine(loaded, config)
     if multihost.is_follower():
         print(
@@ -84,7 +92,15 @@ def serve(
     key_source = key_source or ("file" if file_keys else None)
     api_key = api_key or os.environ.get("KSANA_API_KEY")
     keys = ([api_key] if api_key else []) + file_keys
-    app = create_app(async_engine, name, keys, max_pending_requests, limits=limits)
+    app = create_app(
+        async_engine,
+        name,
+        keys,
+        max_pending_requests,
+        limits=limits,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+    )
     app.on_startup.append(lambda: start_workers(app))
     stopping: list[threading.Event] = []  # the server's, once it exists
     app.on_startup.append(

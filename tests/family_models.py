@@ -38,6 +38,9 @@ GEMMA3_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 1e3},
 }
 
+# Mixtures of experts: 8 experts of F = 40 (the dense layers' F differs, so a mix-up shows)
+MOE = GQA | dict(num_local_experts=8, num_experts=8, moe_intermediate_size=40)
+
 # case -> (transformers config class, its arguments)
 CASES: dict[str, tuple[str, dict]] = {
     "qwen3_gqa": ("Qwen3Config", GQA | dict(num_hidden_layers=3)),
@@ -104,7 +107,30 @@ CASES: dict[str, tuple[str, dict]] = {
             rope_parameters=GEMMA3_ROPE,
         ),
     ),
+    # Mixtral renormalises its top k (a softmax over the top-k logits); no window: llama.cpp's
+    # Mixtral GGUF has none (test_moe_gguf.py)
+    "mixtral_top1": (
+        "MixtralConfig",
+        ODD | dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=1),
+    ),
+    "qwen3_moe_top4_norm": (
+        "Qwen3MoeConfig",
+        MOE | dict(num_hidden_layers=2, num_experts_per_tok=4, norm_topk_prob=True),
+    ),
+    # dense layers 0 and 3 (mlp_only_layers), sparse 1, dense 2 (decoder_sparse_step 2)
+    "qwen3_moe_mixed_top2": (
+        "Qwen3MoeConfig",
+        MOE
+        | dict(
+            num_hidden_layers=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            mlp_only_layers=[3],
+            decoder_sparse_step=2,
+        ),
+    ),
 }
+MOE_CASES = tuple(c for c in CASES if "moe" in c or "mixtral" in c)
 
 RNG = np.random.default_rng(2024)
 PROMPT = [int(t) for t in RNG.integers(3, TINY_VOCAB, 37)]

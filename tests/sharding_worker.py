@@ -58,10 +58,12 @@ def shardings_match_plan(model) -> bool:
     )
 
 
-def greedy_engine(model, tp: int, backend: str = "reference", prompts=PROMPTS) -> list:
+def greedy_engine(model, tp: int, backend: str = "reference", prompts=PROMPTS, **kw) -> list:
     from ksana_jax import LLM, SamplingParams
 
-    llm = LLM(model, warm_up=False, tensor_parallel_size=tp, attention_backend=backend, **ONE_SHAPE)
+    llm = LLM(
+        model, warm_up=False, tensor_parallel_size=tp, attention_backend=backend, **ONE_SHAPE | kw
+    )
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -121,6 +123,39 @@ def scenario_families(paths: list[str]) -> dict:
         runs[2]["logits_max_abs"] = float(np.abs(want).max())
         results[path] = runs
     return results
+
+
+def scenario_moe(paths: list[str]) -> dict:
+    """An MoE checkpoint at tp 1, 2 and 4, each with and without expert parallelism, restored
+    into shards: logits, engine greedy tokens, and each device's bytes of the expert weights
+    and of all parameters."""
+    import jax
+    import numpy as np
+
+    import ksana_jax
+    from ksana_jax.sharding import bytes_per_device
+
+    runs, want = {}, None
+    for tp, ep in ((1, False), (2, False), (2, True), (4, False), (4, True)):
+        model = ksana_jax.load(paths[0], tensor_parallel_size=tp, enable_expert_parallel=ep)
+        logits = model.logits(PROMPTS[3])
+        want = logits if want is None else want
+        experts = [
+            {k: v for k, v in layer.items() if k.endswith("_exps")}
+            for layer in model.params["layers"]
+        ]
+        expert_total = sum(leaf.nbytes for leaf in jax.tree.leaves(experts))
+        runs[f"{tp}{'-ep' if ep else ''}"] = {
+            "plan": model.plan.describe(),
+            "shardings_match_plan": shardings_match_plan(model),
+            "expert_bytes_total": expert_total,
+            "expert_bytes_per_device": sorted(bytes_per_device(experts).values()),
+            "bytes": param_bytes(model.params),
+            "logits_max_diff": float(np.abs(logits - want).max()),
+            "logits_max_abs": float(np.abs(want).max()),
+            "tokens": greedy_engine(model, tp, enable_expert_parallel=ep),
+        }
+    return runs
 
 
 def scenario_recompile(paths: list[str]) -> dict:

@@ -130,8 +130,8 @@ def test_check_accepts_what_each_backend_runs():
         ("pallas_gpu", (2, 2, 2, 9, 16, 80), "float32", 4, "head_dim=80 must be a power of two"),
         ("cpu", (2, 2, 2, 9, 16, 512), "float32", 4, "head_dim <= 256"),
         ("cpu", KV_SHAPE, "float32", 2 * 17, "<= 16 query heads per KV head"),
-        ("pallas_gpu", KV_SHAPE, "int8", 4, "cannot read a kv_cache_dtype='int8' \\(int8\\)"),
-        ("pallas_tpu", KV_SHAPE, "float8_e4m3fn", 4, "kv_cache_dtype='fp8' \\(float8_e4m3fn\\)"),
+        ("pallas_tpu", KV_SHAPE, "int8", 4, "page_size=16 must be a multiple of 32 for a int8"),
+        ("pallas_tpu", KV_SHAPE, "float8_e4m3fn", 4, "page_size=16 must be a multiple of 32"),
     ],
 )
 def test_check_refuses_with_the_field_named(name, kv_shape, kv_dtype, num_heads, message):

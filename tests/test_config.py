@@ -193,7 +193,8 @@ def test_llama3_rope_matches_transformers():
     [
         (
             {"model_type": "gemma", "architectures": ["GemmaForCausalLM"]},
-            r"model_type 'gemma'.*supported: \(.*'llama', 'mistral', 'qwen2', 'qwen3'\)",
+            r"model_type 'gemma'.*supported: \(.*'llama', 'mistral', 'mixtral', 'qwen2', "
+            r"'qwen3', 'qwen3_moe'\)",
         ),
         (
             {"architectures": ["LlamaForSequenceClassification"]},

@@ -1,15 +1,19 @@
 """Quantized KV caches (kv_cache_dtype int8 / fp8): the row quantizer's error bounds, every
-backend that reads quantized pages against the jnp oracle given the dequantized pages, the
-writer, and the engine on a tiny model (greedy, zero recompilations, prefix caching,
-chunked prefill)."""
+backend that reads quantized pages (the Pallas ones in interpret mode) against the jnp oracle
+given the dequantized pages, every writer, and the engine on a tiny model (greedy, zero
+recompilations, prefix caching, chunked prefill)."""
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY_VOCAB, write_tiny_hf
+from jax.experimental.pallas import tpu as pltpu
 from workloads import record_compilations, run_varied_workload
 
 import ksana_jax
@@ -22,14 +26,23 @@ from ksana_jax.kv_cache import (
     quantize_rows,
     resolve_kv_dtype,
 )
-from ksana_jax.pallas_kernels import BACKENDS, reference
+from ksana_jax.pallas_kernels import BACKENDS, ragged_paged_attention_tpu, reference
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.runner import compile_count
 
 QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 PAGE_SIZE, NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ = 8, 24, 4, 6
-# (cached, new) per row: page tails (5, 9, 17 cached), a decode row, a fresh prefill.
-ROWS = [(17, 1), (9, 6), (0, 5), (5, 3)]
+# Mosaic tiles 8-bit arrays in (32, 128): pallas_tpu reads int8 / fp8 pages of 32k rows.
+BACKEND_PAGE_SIZE = {"pallas_tpu": 32}
+
+
+def rows_for(page_size: int) -> list[tuple[int, int]]:
+    """(cached, new) per row: page tails (5, page + 1, 2 pages + 1 cached), a decode row,
+    a fresh prefill."""
+    return [(2 * page_size + 1, 1), (page_size + 1, 6), (0, 5), (5, 3)]
+
+
+ROWS = rows_for(PAGE_SIZE)
 
 
 @pytest.mark.parametrize("name", sorted(QUANTIZED))
@@ -54,9 +67,10 @@ def test_quantize_round_trip_error_is_bounded(name):
     np.testing.assert_allclose(np.abs(back).max(-1), amax, rtol=1e-6)
 
 
-def quantized_batch(dtype, num_kv_heads=2, group=2, head_dim=32, seed=0):
+def quantized_batch(dtype, num_kv_heads=2, group=2, head_dim=32, seed=0, page_size=PAGE_SIZE):
     """Attention arguments with quantized pages (NaN scales in every slot no row owns), and
     the same batch with the pages dequantized into a float KV."""
+    PAGE_SIZE, ROWS = page_size, rows_for(page_size)  # the module's names, shadowed
     rng = np.random.default_rng(seed)
     num_pages = 1 + NUM_SEQS * PAGES_PER_SEQ
     pages = np.full((2, 2, num_kv_heads, num_pages, PAGE_SIZE, head_dim), np.nan, np.float32)
@@ -92,6 +106,17 @@ def quantized_batch(dtype, num_kv_heads=2, group=2, head_dim=32, seed=0):
 
 
 READERS = [name for name, b in BACKENDS.items() if "int8" in b.kv_dtypes]
+WRITERS = ["reference", *(name for name in READERS if BACKENDS[name].writer_module)]
+
+
+def backend_fns(backend: str):
+    """The backend's (attention, layer KV write, every-layer KV write), interpreted on CPU
+    where it is a Pallas backend."""
+    b = BACKENDS[backend]
+    interpret = b.interpreted_here()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "runs in Pallas interpret mode"
+        return b.attention(interpret), b.layer_kv_writer(interpret), b.kv_writer(interpret)
 
 
 @pytest.mark.parametrize("name", sorted(QUANTIZED))
@@ -102,31 +127,61 @@ READERS = [name for name, b in BACKENDS.items() if "int8" in b.kv_dtypes]
     ids=["plain", "window_softcap"],
 )
 def test_backend_on_quantized_pages_equals_the_oracle_on_dequantized_ones(name, backend, spec):
-    args, dequantized_args = quantized_batch(QUANTIZED[name])
+    page_size = BACKEND_PAGE_SIZE.get(backend, PAGE_SIZE)
+    args, dequantized_args = quantized_batch(QUANTIZED[name], page_size=page_size)
     want = np.asarray(reference.ragged_paged_attention(*dequantized_args, spec=spec))
-    got = np.asarray(BACKENDS[backend].attention()(*args, spec=spec))
+    got = np.asarray(backend_fns(backend)[0](*args, spec=spec))
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
     assert np.all(got[sum(n for _, n in ROWS) :] == 0.0)  # padding tokens
 
 
-def test_quantized_write_stores_the_quantized_rows_and_their_scales():
-    spec = KVCacheSpec(2, 2, 5, PAGE_SIZE, 16, "int8")
-    kv = KVCache(jnp.zeros(spec.shape, jnp.int8), jnp.full(spec.scales_shape, 7.0))
-    k, v = (jax.random.normal(jax.random.key(i), (3, 2, 16)) for i in (0, 1))
-    slots = jnp.array([9, 10, 33], jnp.int32)
-    out = reference.write_layer_kv(kv, 1, k, v, slots)
-    for which, x in ((0, k), (1, v)):
-        values, scales = quantize_rows(x, jnp.int8)  # [T, K, H], [T, K]
-        for t, slot in enumerate(np.asarray(slots)):
-            page, row = divmod(int(slot), PAGE_SIZE)
-            np.testing.assert_array_equal(out.pages[1, which, :, page, row], values[t])
-            np.testing.assert_array_equal(out.scales[1, which, :, page, row], scales[t])
+def test_tpu_kernel_on_quantized_pages_under_tpu_interpret_semantics(capsys):
+    """pltpu.InterpretParams (NaN-filled VMEM, a DMA lands only when waited on, the race
+    detector): the scales' DMAs share the pages' semaphores and buffer slots."""
+    args, dequantized_args = quantized_batch(jnp.int8, page_size=32)
+    spec = AttentionSpec(0.2, sliding_window=40)
+    attention = functools.partial(
+        ragged_paged_attention_tpu.ragged_paged_attention,
+        pages_per_block=2,
+        interpret=pltpu.InterpretParams(detect_races=True),
+    )
+    want = np.asarray(reference.ragged_paged_attention(*dequantized_args, spec=spec))
+    np.testing.assert_allclose(np.asarray(attention(*args, spec=spec)), want, rtol=0, atol=2e-5)
+    assert "RACE DETECTED" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+@pytest.mark.parametrize("backend", WRITERS)
+@pytest.mark.parametrize("layers", ["one", "all"])
+def test_quantized_write_stores_the_quantized_rows_and_their_scales(name, backend, layers):
+    dtype, page_size = QUANTIZED[name], BACKEND_PAGE_SIZE.get(backend, PAGE_SIZE)
+    spec = KVCacheSpec(2, 2, 5, page_size, 16, jnp.dtype(dtype).name)
+    kv = KVCache(jnp.zeros(spec.shape, dtype), jnp.full(spec.scales_shape, 7.0))
+    new = jax.random.normal(jax.random.key(0), (2, 2, 3, 2, 16))  # [L, 2, T, K, H]
+    new *= jnp.exp(jax.random.normal(jax.random.key(1), (2, 2, 3, 2, 1)))  # rows' sizes differ
+    slot_list = [page_size + 1, page_size + 2, 4 * page_size + 1]  # two pages, one shared
+    slots = jnp.array(slot_list, jnp.int32)
+    _, write_layer, write_all = backend_fns(backend)
+    if layers == "one":
+        out, written = write_layer(kv, 1, new[1, 0], new[1, 1], slots), [1]
+    else:
+        out, written = write_all(kv, new, slots), [0, 1]
     touched = np.zeros(spec.scales_shape, bool)
-    for slot in (9, 10, 33):
-        touched[1, :, :, slot // PAGE_SIZE, slot % PAGE_SIZE] = True
+    for layer in written:
+        values, scales = quantize_rows(new[layer], dtype)  # [2, T, K, H], [2, T, K]
+        for t, slot in enumerate(slot_list):
+            page, row = divmod(slot, page_size)
+            touched[layer, :, :, page, row] = True
+            for which in (0, 1):
+                got = np.asarray(out.pages[layer, which, :, page, row].astype(jnp.float32))
+                np.testing.assert_array_equal(got, values[which, t].astype(jnp.float32))
+                np.testing.assert_array_equal(
+                    out.scales[layer, which, :, page, row], scales[which, t]
+                )
     assert np.all(np.asarray(out.scales)[~touched] == 7.0)  # nothing else moved
-    assert np.all(np.asarray(out.pages)[~np.broadcast_to(touched[..., None], spec.shape)] == 0)
+    untouched = ~np.broadcast_to(touched[..., None], spec.shape)
+    assert np.all(np.asarray(out.pages.astype(jnp.float32))[untouched] == 0)
 
 
 def test_quantized_kv_takes_fewer_bytes_and_more_pages_fit():
@@ -223,13 +278,17 @@ def test_bad_kv_cache_dtype_is_refused_by_name(tiny_model):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         ksana_jax.load("demo", kv_cache_dtype="fp16")
     assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
-    with pytest.raises(
-        ValueError, match=r"attention_backend='pallas_gpu' cannot read a kv_cache_dtype='fp8'"
-    ):
-        LLM(
-            tiny_model,
-            kv_cache_dtype="fp8",
-            attention_backend="pallas_gpu",
-            warm_up=False,
-            **ENGINE,
-        )
+    with pytest.raises(ValueError, match=r"page_size=4 must be a multiple of 32 for a int8"):
+        LLM(tiny_model, kv_cache_dtype="int8", attention_backend="pallas_tpu", **ENGINE)
+
+
+@pytest.mark.parametrize("capability,refused", [("8.0", True), ("8.6", True), ("8.9", False)])
+def test_pallas_gpu_reads_fp8_pages_from_compute_capability_8_9(capability, refused):
+    shape = (2, 2, 2, 9, 16, 64)
+    check = functools.partial(BACKENDS["pallas_gpu"].check, compute_capability=capability)
+    check(shape, "int8")
+    if refused:
+        with pytest.raises(ValueError, match=r"float8_e4m3fn KV cache only on compute capab"):
+            check(shape, "float8_e4m3fn")
+    else:
+        check(shape, "float8_e4m3fn")

@@ -105,11 +105,13 @@ def test_embedding_rows_of_a_quantized_table_gather_then_dequantize(fmt):
 
 
 def test_quantized_matrices_stack_and_split_as_layers():
+    from ksana_jax.config import ModelConfig
     from ksana_jax.models import registry
 
+    cfg = ModelConfig("llama", 10, 64, 64, 3, 1, 1, 8)
     w = RNG.standard_normal((3, 8, 64)).astype(np.float32)
     flat = {"embed": np.zeros((10, 64), np.float32), "layers.wq": quant.quantize(w, "int4")}
-    params = registry.params_from_flat(flat)
+    params = registry.params_from_flat(flat, cfg)
     assert len(params["layers"]) == 3 and params["layers"][1]["wq"].shape == (8, 64)
     np.testing.assert_array_equal(
         quant.dequantize(params["layers"][1]["wq"]), quant.dequantize(quant.quantize(w[1], "int4"))

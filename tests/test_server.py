@@ -40,14 +40,18 @@ MAX_PENDING = 80
 PROMPTS = ["w5 w6 w7", "w100 w3", "w42 w43 w44 w45 w46 w47 w48 w49 w50", "w9"]
 
 
+def jax_cache_dir() -> str:
+    """The persistent compilation cache of the servers (and processes) tests start."""
+    return os.environ.get("KSANA_TEST_JAX_CACHE", str(Path.home() / ".cache/ksana-jax/jax"))
+
+
 def start_server(
     model: Path | str, *args: str, timeout: float = 600
 ) -> tuple[subprocess.Popen, str]:
     """Starts `ksana-jax serve` and waits for /health to turn 200."""
     port = free_port()
-    cache = os.environ.get("KSANA_TEST_JAX_CACHE", str(Path.home() / ".cache/ksana-jax/jax"))
     cmd = [sys.executable, "-m", "ksana_jax.cli", "serve", str(model), "--port", str(port)]
-    cmd += ["--compilation-cache-dir", cache, "--log-level", "warning", *args]
+    cmd += ["--compilation-cache-dir", jax_cache_dir(), "--log-level", "warning", *args]
     # The log goes to a file, so that a test can read it while the server runs.
     log_file = tempfile.NamedTemporaryFile(prefix="ksana-serve-", suffix=".log")  # noqa: SIM115 (stop_server closes it)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
@@ -483,7 +487,8 @@ CHAT_OK = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "w5"}],
         ("/v1/completions", OK | {"prompt": [5, "w5"]}, "prompt"),
         ("/v1/completions", OK | {"prompt": [[5, 6], [99999]]}, "prompt"),
         ("/v1/completions", OK | {"prompt": []}, "prompt"),
-        ("/v1/chat/completions", CHAT_OK | {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", CHAT_OK | {"tools": [{"type": "function"}]}, "tools[0].function"),
+        ("/v1/completions", OK | {"tools": []}, "tools"),  # chat only
         ("/v1/chat/completions", CHAT_OK | {"messages": []}, "messages"),
         ("/v1/chat/completions", CHAT_OK | {"messages": [{"role": "x", "content": "a"}]}, None),
         ("/v1/chat/completions", CHAT_OK | {"top_logprobs": 2}, "top_logprobs"),

@@ -218,3 +218,71 @@ def test_padding_ids_are_never_allowed_and_the_mask_applies_as_data(byte_model):
     assert compiler.num_compiled == 1
     compiler.matcher(StructuredOutputsParams(regex=r"(.|\n)*"))
     assert compiler.num_compiled == 1  # cached
+
+
+OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+NODE = {
+    "type": "object",
+    "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    "required": ["v", "next"],
+}
+# (schema, a JSON text that satisfies it, one that breaks the keyword): docs/structured_output.md
+ENFORCED = {
+    "format": ({"type": "string", "format": "email"}, '"a@b.io"', '"not an email"'),
+    "multipleOf": ({"type": "integer", "multipleOf": 3}, "6", "4"),
+    "exclusiveMinimum": ({"type": "number", "exclusiveMinimum": 0}, "1", "0"),
+    "patternProperties": (
+        {"type": "object", "patternProperties": {"^x": {"type": "integer"}}},
+        '{"xa": 1}',
+        '{"xa": "s"}',
+    ),
+    "minProperties": ({"type": "object", "minProperties": 1}, '{"a": 1}', "{}"),
+    "allOf": ({"allOf": [OBJ_AB, {"required": ["a"]}]}, '{"a": 1}', "{}"),
+    "prefixItems": (
+        {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]},
+        '[1, "a"]',
+        '["a"]',
+    ),
+    "oneOf, disjoint": ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, "1", "[]"),
+    "$ref recursion": (
+        NODE,
+        '{"v": 1, "next": {"v": 2, "next": null}}',
+        '{"v": 1, "next": {"v": "x", "next": null}}',
+    ),
+}
+REFUSED = {
+    "oneOf": {"oneOf": [{"type": "integer"}, {"type": "number"}]},  # branches that overlap
+    "uniqueItems": {"type": "array", "uniqueItems": True},
+    "if": {**OBJ_AB, "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+    "not": {"not": {"type": "string"}},
+    "contains": {"type": "array", "contains": {"const": 1}},
+    "dependentRequired": {**OBJ_AB, "dependentRequired": {"a": ["b"]}},
+    "propertyNames": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}},
+    "unevaluatedProperties": {**OBJ_AB, "unevaluatedProperties": False},
+    "https://": {"$ref": "https://example.com/schema.json"},
+}
+
+
+@pytest.fixture(scope="module")
+def compiler(byte_model):
+    return GrammarCompiler(byte_model.tokenizer, MODEL_VOCAB, byte_model.eos_token_ids)
+
+
+def _accepts(compiler, byte_model, schema: dict, text: str) -> bool:
+    matcher = compiler.matcher(StructuredOutputsParams(json=schema))
+    tokens = byte_model.tokenizer.encode(text, add_special_tokens=False)
+    return all(matcher.accept(t) for t in [*tokens, byte_model.eos_token_ids[0]])
+
+
+@pytest.mark.parametrize("keyword", ENFORCED)
+def test_schema_keywords_llguidance_enforces(compiler, byte_model, keyword):
+    schema, good, bad = ENFORCED[keyword]
+    assert _accepts(compiler, byte_model, schema, good)
+    assert not _accepts(compiler, byte_model, schema, bad)
+
+
+@pytest.mark.parametrize("keyword", REFUSED)
+def test_schema_keywords_llguidance_refuses_are_named(compiler, keyword):
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json is invalid") as e:
+        compiler.matcher(StructuredOutputsParams(json=REFUSED[keyword]))
+    assert keyword in str(e.value)

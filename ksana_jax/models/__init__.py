@@ -9,6 +9,9 @@ layers.py      shared blocks: RMSNorm (incl. Gemma's 1 + w), rotary (per-layer b
 llama.py       Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2 (and the decoder Qwen3 reuses)
 qwen3.py       Qwen3
 gemma.py       Gemma 2, Gemma 3 text (and a multimodal Gemma 3's language model)
+moe.py         the mixture-of-experts feed-forward (routing, grouped expert products)
+mixtral.py     Mixtral (llama decoder, every layer MoE)
+qwen3_moe.py   Qwen3-MoE (qwen3 decoder, MoE or dense per layer)
 
 Nothing outside this package imports a family module; runner, step, model, sharding,
 checkpoint and checkpoints_tools call `registry`.

@@ -7,7 +7,9 @@ the final hidden states and the updated KV. `logits` projects chosen hidden stat
 vocabulary. Nothing is cached inside the model and no mode is fixed at construction.
 
 Options read from the config: q/k/v (and o) biases, q/k RMSNorm per head (`qk_norm`, used
-by qwen3.py, which reuses this decoder), and per-layer sliding windows (Mistral's
+by qwen3.py, which reuses this decoder), each layer's feed-forward, dense or mixture of
+experts (`mlp_types`, moe.py; mixtral.py and qwen3_moe.py reuse the decoder), and per-layer
+sliding windows (Mistral's
 `sliding_window`, Qwen2's `use_sliding_window` above `max_window_layers`), which reach the
 attention backend through each layer's static `AttentionSpec`.
 
@@ -40,12 +42,12 @@ from ksana_jax.kv_cache import KVCache
 from ksana_jax.models.layers import (
     apply_rope,
     embed_rows,
-    gated_mlp,
     linear,
     paged_attention,
     rms_norm,
     rope_inv_freq,
 )
+from ksana_jax.models.moe import feed_forward
 from ksana_jax.models.registry import Family, LayerParams, Params
 from ksana_jax.step_inputs import StepInputs
 
@@ -205,6 +207,10 @@ def config_from_gguf(
     """Reads the shared GGUF keys; `rope_freqs.weight` (Llama 3.1's rope factors) through
     `read_tensor`; refuses `{arch}.attention.sliding_window`."""
     arch = metadata["general.architecture"]
+    if metadata.get(f"{arch}.expert_count"):  # llama.cpp writes Mixtral as a llama with experts
+        from ksana_jax.models import mixtral
+
+        return mixtral.config_from_gguf(metadata, tensor_names, dtype, read_tensor)
     if metadata.get(f"{arch}.attention.sliding_window"):
         raise ValueError(
             f"{arch}.attention.sliding_window is not supported for GGUF {arch}; "
@@ -235,7 +241,14 @@ def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 def from_gguf(hf_name: str, value: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """llama.cpp permutes Q/K rows for its interleaved rotary, for the llama architecture only
     (not qwen2): undo it so the rotate-half rotary applies."""
-    if cfg.model_type != "llama" or not hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+    if cfg.model_type != "llama":
+        return value
+    return unpermute_qk(hf_name, value, cfg)
+
+
+def unpermute_qk(hf_name: str, value: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """`value` with llama.cpp's Q/K row permutation undone when `hf_name` is wq or wk."""
+    if not hf_name.endswith(("q_proj.weight", "k_proj.weight")):
         return value
     heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
     expected = (heads * cfg.head_dim, cfg.hidden_size)
@@ -299,7 +312,7 @@ def forward(
         attn, kv = attention_block(cfg, inputs, kv, hidden, i, layer, backend)
         x = x + attn
         hidden = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        x = x + gated_mlp(hidden, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.hidden_act)
+        x = x + feed_forward(cfg, i, layer, hidden)  # dense MLP or mixture of experts
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
 
 

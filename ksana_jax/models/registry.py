@@ -13,7 +13,13 @@ Params are a plain pytree of named arrays, the same shape for every family:
      "layers": ({"wq": [N*H, D], ...}, ...)}         one dict per layer (see llama.py for why)
 
 Flat names ("embed", "layers.wq") key the checkpoint (layers stacked on a first L axis), the
-family's parameter shapes, HF name maps and sharding axes.
+family's parameter shapes, HF name maps and sharding axes. A parameter that only some layers
+have (an MoE model's experts, or the dense MLP of its dense layers) is stacked over those
+layers only (`Family.param_layers`); each layer's dict then holds the names it has.
+
+HF names of an MoE layer's experts carry the expert index ("mlp.experts.3.gate_proj.weight");
+the name maps write it as "*" ("mlp.experts.*.gate_proj.weight") and the converter stacks the
+experts [E, ...] (a GGUF's stacked ffn_*_exps tensor arrives under the "*" name whole).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ Params: TypeAlias = dict[str, "jax.Array | tuple[LayerParams, ...]"]
 LAYER_PREFIX = "layers."
 HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+HF_EXPERT = re.compile(r"(.*\.experts)\.(\d+|\*)\.(.+)")  # "mlp.experts.3.gate_proj.weight"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: its maps are dicts
@@ -70,6 +77,12 @@ class Family:
     hf_rename: Callable[[str], str | None] = lambda name: name
     # (HF name, float32 value from GGUF, cfg) -> the value as transformers holds it.
     from_gguf: Callable[[str, np.ndarray, ModelConfig], np.ndarray] = lambda n, v, c: v
+    # (cfg, flat name) -> the layers holding that parameter, in the order its stacked array
+    # keeps them; by default every layer (MoE families: the dense MLP's and the experts'
+    # parameters live on their own layers only, moe.param_layers).
+    param_layers: Callable[[ModelConfig, str], tuple[int, ...]] = lambda cfg, name: tuple(
+        range(cfg.num_hidden_layers)
+    )
 
     def architecture(self, model_type: str) -> str:
         return self.architectures[model_type][0]
@@ -184,14 +197,20 @@ def param_axes(cfg: ModelConfig) -> Mapping[str, tuple[str | None, ...]]:
     return family_of(cfg.model_type).param_axes
 
 
-def params_from_flat(flat: Mapping[str, Any]) -> Params:
+def param_layers(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    """The layers holding flat parameter `name` ("layers.*"), in its stacked order."""
+    return family_of(cfg.model_type).param_layers(cfg, name)
+
+
+def params_from_flat(flat: Mapping[str, Any], cfg: ModelConfig) -> Params:
     """The params pytree from flat names, splitting layer-stacked arrays per layer."""
-    stacked = {k.removeprefix(LAYER_PREFIX): v for k, v in flat.items() if k.startswith("layers.")}
-    num_layers = next(iter(stacked.values())).shape[0]
     params: Params = {k: v for k, v in flat.items() if not k.startswith(LAYER_PREFIX)}
-    params["layers"] = tuple(
-        {name: _layer(value, i) for name, value in stacked.items()} for i in range(num_layers)
-    )
+    layers: list[LayerParams] = [{} for _ in range(cfg.num_hidden_layers)]
+    for name, value in flat.items():
+        if name.startswith(LAYER_PREFIX):
+            for j, i in enumerate(param_layers(cfg, name)):
+                layers[i][name.removeprefix(LAYER_PREFIX)] = _layer(value, j)
+    params["layers"] = tuple(layers)
     return params
 
 
@@ -201,11 +220,13 @@ def _layer(value: Any, i: int) -> Any:
 
 
 def params_to_flat(params: Params) -> dict[str, Any]:
-    """Inverse of params_from_flat (layers stacked again)."""
+    """Inverse of params_from_flat (each layer parameter stacked over the layers holding it)."""
     flat = {k: v for k, v in params.items() if k != "layers"}
     layers = params["layers"]
-    for name in layers[0]:
-        flat[LAYER_PREFIX + name] = jax.tree.map(_stack, *[layer[name] for layer in layers])
+    names = dict.fromkeys(name for layer in layers for name in layer)
+    for name in names:
+        parts = [layer[name] for layer in layers if name in layer]
+        flat[LAYER_PREFIX + name] = jax.tree.map(_stack, *parts)
     return flat
 
 
@@ -216,6 +237,16 @@ def _stack(*arrays: Any) -> Any:
 def flat_name(path: tuple) -> str:
     """Flat name of a params leaf from its pytree path: "embed", "layers.wq" (any layer)."""
     return ".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def expert_name(layer_name: str) -> tuple[str, int | None]:
+    """A per-layer HF name with its expert index written as "*", and the index (None for a
+    name of no expert or of all of them, "*")."""
+    match = HF_EXPERT.fullmatch(layer_name)
+    if match is None:
+        return layer_name, None
+    index = match.group(2)
+    return f"{match.group(1)}.*.{match.group(3)}", None if index == "*" else int(index)
 
 
 def params_dtype(params: Params) -> str:
@@ -232,7 +263,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> Para
         else:
             value = 0.02 * rng.standard_normal(shape)
         flat[name] = jnp.asarray(value, dtype=dtype)
-    return params_from_flat(flat)
+    return params_from_flat(flat, cfg)
 
 
 # --------------------------------------------------------------------------- compute

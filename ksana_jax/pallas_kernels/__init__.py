@@ -87,6 +87,8 @@ class AttentionBackend:
     # Loops over each row's own context: a wide page table (context bucket) costs nothing.
     loops_over_own_context: bool = False
     min_cuda_capability: int | None = None  # major CUDA compute capability it needs
+    # KV dtypes that need a newer CUDA GPU than the rest: (dtype, "major.minor") pairs.
+    kv_dtype_min_cuda_capability: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
         return self.name
@@ -140,8 +142,10 @@ class AttentionBackend:
         specs: Iterable[AttentionSpec] = (),
         num_heads: int | None = None,
         dtype=None,
+        compute_capability: str | None = None,
     ) -> None:
-        """Raises ValueError naming what this backend cannot run -- the KV dtype, the KV
+        """Raises ValueError naming what this backend cannot run -- the KV dtype (also one
+        a CUDA GPU of `compute_capability` cannot convert, fp8 before 8.9), the KV
         layout [L, 2, K, num_pages, page_size, H] (Mosaic's tiling rules for pallas_tpu, a
         power-of-two head_dim for pallas_gpu), the cpu kernel's head limits for `num_heads`
         query heads, a feature of one of the layers' attention `specs`, or the parameter
@@ -157,6 +161,13 @@ class AttentionBackend:
             self._check_kv_dtype(kv_name)
         self._check_kernel_layout(kv_shape, kv_dtype, num_heads)
         self._check_kv_dtype(kv_name)
+        needed = dict(self.kv_dtype_min_cuda_capability).get(kv_name)
+        if needed and compute_capability and _capability(compute_capability) < _capability(needed):
+            raise ValueError(
+                f"attention_backend={self.name!r} reads a {kv_name} KV cache only on compute "
+                f"capability {needed} or newer (Triton converts it there); this GPU has "
+                f"{compute_capability}: choose another kv_cache_dtype"
+            )
 
     def _check_kv_dtype(self, kv_name: str) -> None:
         if kv_name not in self.kv_dtypes:
@@ -234,8 +245,8 @@ BACKENDS: dict[str, AttentionBackend] = {
             _KERNELS + "ragged_paged_attention_tpu",
             _KERNELS + "write_kv_pages_tpu",
             ("tpu",),
-            # Mosaic loads no float16 vectors; quantized pages: not implemented in the kernel
-            kv_dtypes=("float32", "bfloat16"),
+            # Mosaic loads no float16 vectors; int8 / fp8 pages: page_size a multiple of 32
+            kv_dtypes=("float32", "bfloat16", *dict.fromkeys(KV_CACHE_QUANTIZED.values())),
             interpret_on_cpu=True,
         ),
         AttentionBackend(
@@ -243,9 +254,10 @@ BACKENDS: dict[str, AttentionBackend] = {
             _KERNELS + "paged_attention_gpu",
             _KERNELS + "write_kv_pages_gpu",
             ("gpu", "cuda", "rocm"),
-            kv_dtypes=_FLOAT_KV_DTYPES,  # quantized pages: not implemented in the kernel
+            kv_dtypes=_CONCRETE_KV_DTYPES,
             interpret_on_cpu=True,
             min_cuda_capability=8,  # XLA compiles Triton from Ampere on
+            kv_dtype_min_cuda_capability=(("float8_e4m3fn", "8.9"),),  # Ada, Hopper on
         ),
     )
 }
@@ -307,6 +319,15 @@ def resolve_backend(
         )
         return BACKENDS["reference"]
     return chosen
+
+
+def _capability(compute_capability: str) -> tuple[int, ...]:
+    """ "8.9" -> (8, 9); anything not a CUDA capability (a ROCm "gfx90a") -> (99,), which no
+    requirement refuses."""
+    try:
+        return tuple(int(part) for part in str(compute_capability).split("."))
+    except ValueError:
+        return (99,)
 
 
 def _cuda_major(compute_capability: str | None) -> int | None:

@@ -34,9 +34,11 @@ few rows still keeps every SM busy; the last split also takes the step's new key
 What each program loads, block by block (`block_k` keys):
   - cached keys/values: positions p of its split, pages page_table[row, p // page_size],
     slots p % page_size -- a gather with a mask (p < cached length), so slots the row does
-    not own are never read. The page ids come CHUNK_PAGE_IDS at a time, loaded before the
-    chunk's block loop, so no block's K/V copy waits on a page-table load and Triton's
-    pipeliner keeps the next block's copies in flight (num_stages >= 3);
+    not own are never read. Quantized pages (int8, float8_e4m3fn) also gather their rows'
+    float32 scales (kv.scales[layer, 0|1, k, page_ids, slots]) and are dequantized in
+    registers (page * scale) before the dots. The page ids come CHUNK_PAGE_IDS at a time,
+    loaded before the chunk's block loop, so no block's K/V copy waits on a page-table load
+    and Triton's pipeliner keeps the next block's copies in flight (num_stages >= 3);
   - new keys/values: tokens from the row's first new token up to the tile's last token,
     masked causally (key token <= query token).
 With a sliding window W (spec.sliding_window) both start at the window start of the tile's
@@ -57,6 +59,8 @@ read off the kernel compiled by XLA:GPU for GPUs it only describes
 Dots run in the KV dtype accumulating in f32: for 16-bit KV the queries and
 probabilities are rounded to it (tensor cores); for f32 KV each dot is three TF32 products
 on the tensor cores (3xTF32: float32 accuracy; exact IEEE float32 in the interpreter).
+For quantized KV they run in the queries' dtype on the dequantized keys and values.
+Triton converts float8_e4m3fn only on compute capability 8.9 and newer (Ada, Hopper).
 """
 
 from __future__ import annotations
@@ -144,7 +148,7 @@ def _online_softmax_update(state, q, k, v, visible, *, spec, dot_dtype, precisio
 
 
 def _attend_cached_keys(
-    state, q, kv_ref, page_table_ref, where, key_range, window, update, block_k, chunking
+    state, q, kv_refs, page_table_ref, where, key_range, window, update, block_k, chunking
 ):
     """Phase 1: keys [lo, hi) of the row's cached context, gathered block by block from the
     pages. where = (layer, kv_head, row); masked-off slots are never read. window =
@@ -159,6 +163,7 @@ def _attend_cached_keys(
     load latency is exposed.
     """
     layer, kv_head, row = where
+    kv_ref, scales_ref, quantized = kv_refs
     lo, hi = key_range
     page_size, head_dim = kv_ref.shape[4:]
     max_pages = page_table_ref.shape[1]
@@ -185,8 +190,19 @@ def _attend_cached_keys(
             # All-array indices (not a trailing slice): the interpreter's gather needs them.
             slot = (pages[:, None], lax.rem(positions, page_size)[:, None], lanes)
             mask = jnp.broadcast_to(valid[:, None], (block_k, head_dim))
-            k = plgpu.load(kv_ref.at[(layer, 0, kv_head, *slot)], mask=mask, other=0.0)
-            v = plgpu.load(kv_ref.at[(layer, 1, kv_head, *slot)], mask=mask, other=0.0)
+            k, v = (
+                plgpu.load(kv_ref.at[(layer, kv_index, kv_head, *slot)], mask=mask, other=0.0)
+                for kv_index in (0, 1)
+            )
+            if quantized:  # rows times their scales; masked rows load scale 0
+                rows = (pages, lax.rem(positions, page_size))
+                k, v = (
+                    x.astype(jnp.float32)
+                    * plgpu.load(scales_ref.at[(layer, i, kv_head, *rows)], mask=valid, other=0.0)[
+                        :, None
+                    ]
+                    for i, x in ((0, k), (1, v))
+                )
             visible = jnp.broadcast_to(valid[None, :], (q.shape[0], block_k))
             if window is not None:
                 visible &= positions[None, :] >= window[1][:, None]
@@ -247,6 +263,7 @@ def _attention_kernel(
     k_new_ref,  # [T, K, H]
     v_new_ref,  # [T, K, H]
     kv_ref,  # [L, 2, K, num_pages, page_size, H]
+    scales_ref,  # f32[L, 2, K, num_pages, page_size] (quantized), else a placeholder
     # outputs
     acc_ref,  # f32[splits, T, K, G_pad, H]
     m_ref,  # f32[splits, T, K, G_pad]
@@ -259,6 +276,7 @@ def _attention_kernel(
     page_ids_per_chunk: int,
     dot_dtype,
     precision,
+    quantized: bool,
 ):
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, _, group_pad, head_dim = q_ref.shape
@@ -302,7 +320,7 @@ def _attention_kernel(
         state = _attend_cached_keys(
             state,
             q,
-            kv_ref,
+            (kv_ref, scales_ref, quantized),
             page_table_ref,
             where,
             (lo, hi),
@@ -345,8 +363,6 @@ def _attention_kernel(
 
 def _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts):
     validate_attention_args(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
-    if kv.quantized:
-        raise ValueError(f"the pallas_gpu kernel reads float KV pages, got {kv.pages.dtype}")
     kv = kv.pages
     kv_layout(
         num_layers=kv.shape[0],
@@ -405,7 +421,8 @@ def ragged_paged_attention(
     """Causal GQA of a ragged batch over cached pages and new tokens (Pallas GPU kernel).
 
     Args: as `reference.ragged_paged_attention` (q [T, N, H], k_new/v_new [T, K, H],
-      kv (float pages [L, 2, K, num_pages, page_size, H]), layer_index i32[], page_table
+      kv (pages [L, 2, K, num_pages, page_size, H], float or int8 / float8_e4m3fn with
+      their scales), layer_index i32[], page_table
       i32[S, P], seq_lens i32[S], query_starts i32[S+1], spec), plus tuning (each one not named
       comes from `plan_launches`):
       block_q: tokens per query tile, a power of two; with two launches, of the long rows'
@@ -419,6 +436,9 @@ def ragged_paged_attention(
     """
     layer_index = jnp.asarray(layer_index)
     _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
+    quantized, scales = kv.quantized, kv.scales
+    # Quantized pages: the dots run in the queries' dtype, on the dequantized rows.
+    dot_dtype = q.dtype if quantized else kv.pages.dtype
     kv = kv.pages
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = kv.shape[2], kv.shape[4]
@@ -428,7 +448,7 @@ def ragged_paged_attention(
     plan = plan_launches(
         q.shape,
         kv.shape,
-        kv.dtype,
+        dot_dtype,  # the dots' width sets the tiles
         page_table.shape,
         block_q=block_q,
         block_k=block_k,
@@ -457,17 +477,17 @@ def ragged_paged_attention(
     if page_ids_per_chunk < 4 or page_ids_per_chunk & (page_ids_per_chunk - 1):
         raise ValueError(f"page_ids_per_chunk={page_ids_per_chunk} must be a power of two >= 4")
 
-    dot_dtype = jnp.float32 if kv.dtype == jnp.float32 else kv.dtype
     q_groups = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(dot_dtype)
     q_groups = jnp.pad(q_groups, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
     before_tiles = (layer_index.reshape(1), page_table, seq_lens, query_starts)
-    inputs = before_tiles, (q_groups, k_new, v_new, kv)  # the kernel's, around the tiles
+    inputs = before_tiles, (q_groups, k_new, v_new, kv, scales)  # the kernel's, around tiles
     params = dict(
         spec=spec,
         keys_per_split=keys_per_split,
         page_ids_per_chunk=page_ids_per_chunk,
         dot_dtype=dot_dtype,
         precision=_dot_precision(dot_dtype, interpret),
+        quantized=quantized,
     )
     states = None
     for launch in plan:

@@ -29,6 +29,9 @@ Copied in at each grid step:
     [2, pages_per_block, page_size, H]; the copy of the next (row, page block) is started
     before the current one is waited on, across row boundaries, so DMA overlaps compute.
     Only pages holding cached tokens are copied; the rest of the buffer is stale and masked.
+    Quantized pages (int8, float8_e4m3fn) come with their rows' float32 scales: one more DMA
+    per page and per K/V, kv.scales[layer, 0|1, k, page] -> a VMEM [2, pages_per_block,
+    page_size] buffer; the block is dequantized in VMEM (page * scale, f32) after the wait.
   - new keys/values, phase 2: for each row r, the `block_q`-token blocks of k_new/v_new
     from r's first new token up to the query block's end, double-buffered the same way.
 With a sliding window W (spec.sliding_window) both phases start at the window start of the
@@ -52,12 +55,14 @@ cached pages, so a prefill chunk's context is read chunk / block_q times.
 
 Dots run in the KV dtype with f32 accumulation: for 16-bit KV the queries, new keys and
 probabilities are rounded to it (one MXU pass); for f32 KV they run at full f32 precision.
+For quantized KV they run in the queries' dtype (f32 at full precision, else bfloat16) on
+the dequantized keys and values.
 
 Tiling (Mosaic's rule: the last two dims of a block or VMEM buffer are multiples of the
 (8 * packing, 128) tile, or the whole array dims): query/output blocks are
 [block_q * G, H] with block_q a multiple of 8 (16 for 16-bit) and H whole; page buffers are
-[page_size, H] tiles with page_size a multiple of 8 (16 for bf16) so pages stack into a
-[pages_per_block * page_size, H] key block without relayout.
+[page_size, H] tiles with page_size a multiple of 8 (16 for bf16, 32 for int8 / fp8) so
+pages stack into a [pages_per_block * page_size, H] key block without relayout.
 """
 
 from __future__ import annotations
@@ -209,11 +214,13 @@ class _Step:
         _online_softmax_update(self.q, k, v, visible, key_valid, self.spec, *self.state)
 
 
-def _attend_cached_pages(step: _Step, kv_hbm, k_buf, v_buf, sems):
+def _attend_cached_pages(step: _Step, kv_hbm, scales_hbm, bufs, sems, quantized: bool):
     """Phase 1: every row's cached context, page block by page block, pages DMA'd from the
-    page table into k_buf/v_buf [2, pages_per_block, page_size, H] (double-buffered). With a
-    sliding window a row's blocks start at the page holding its window start: pages wholly
-    before it are never copied."""
+    page table into k_buf/v_buf [2, pages_per_block, page_size, H] (double-buffered), and for
+    `quantized` pages their scales into k_scale_buf/v_scale_buf [2, pages_per_block,
+    page_size]. With a sliding window a row's blocks start at the page holding its window
+    start: pages wholly before it are never copied."""
+    k_buf, v_buf, k_scale_buf, v_scale_buf = bufs
     pages_per_block, page_size, head_dim = k_buf.shape[1:]
     keys_per_block = pages_per_block * page_size
     max_pages = step.page_table_ref.shape[1]
@@ -231,11 +238,20 @@ def _attend_cached_pages(step: _Step, kv_hbm, k_buf, v_buf, sems):
         for i in range(pages_per_block):
             index = first_page(row) + block * pages_per_block + i
             page = step.page_table_ref[row, jnp.minimum(index, max_pages - 1)]
-            for buf, kv_index in ((k_buf, 0), (v_buf, 1)):
-                src = kv_hbm.at[step.layer, kv_index, step.kv_head, page]
-                copy = pltpu.make_async_copy(src, buf.at[slot, i], sems.at[kv_index, slot])
-                out.append((copy, index < num_pages))  # only pages holding cached tokens
+            for buf, scale_buf, kv_index in ((k_buf, k_scale_buf, 0), (v_buf, v_scale_buf, 1)):
+                srcs = [(kv_hbm, buf)] + ([(scales_hbm, scale_buf)] if quantized else [])
+                for src, dst in srcs:
+                    src = src.at[step.layer, kv_index, step.kv_head, page]
+                    copy = pltpu.make_async_copy(src, dst.at[slot, i], sems.at[kv_index, slot])
+                    out.append((copy, index < num_pages))  # only pages holding cached tokens
         return out
+
+    def load(buf, scale_buf, slot):
+        """A block's keys or values [keys_per_block, H], dequantized (f32) if quantized."""
+        x = buf[slot]
+        if quantized:  # rows times their scales, in VMEM; NaN scales of unowned rows stay masked
+            x = x.astype(jnp.float32) * scale_buf[slot][:, :, None]
+        return x.reshape(keys_per_block, head_dim)
 
     def attend(row, block, slot):
         cached = step.num_cached(row)
@@ -243,8 +259,8 @@ def _attend_cached_pages(step: _Step, kv_hbm, k_buf, v_buf, sems):
 
         @pl.when(first_key < cached)
         def _():
-            k = k_buf[slot].reshape(keys_per_block, head_dim)
-            v = v_buf[slot].reshape(keys_per_block, head_dim)
+            k = load(k_buf, k_scale_buf, slot)
+            v = load(v_buf, v_scale_buf, slot)
             tokens = step.query_tokens(keys_per_block)
             keys = first_key + lax.broadcasted_iota(jnp.int32, tokens.shape, 1)
             row_start, row_end = step.row_bounds(row)
@@ -318,11 +334,14 @@ def _attention_kernel(
     k_new_hbm,  # [K, T_pad, H]
     v_new_hbm,  # [K, T_pad, H]
     kv_hbm,  # [L, 2, K, num_pages, page_size, H]
+    scales_hbm,  # f32[L, 2, K, num_pages, page_size] (quantized), else a placeholder
     # output
     o_ref,  # f32[M, H]
     # scratch
     k_pages_buf,  # [2, pages_per_block, page_size, H]
     v_pages_buf,  # [2, pages_per_block, page_size, H]
+    k_scales_buf,  # f32[2, pages_per_block, page_size] (unused for float pages)
+    v_scales_buf,  # f32[2, pages_per_block, page_size]
     k_new_buf,  # [2, block_q, H]
     v_new_buf,  # [2, block_q, H]
     sems,  # DMA[4, 2]: (K pages, V pages, K new, V new) x slot
@@ -332,6 +351,7 @@ def _attention_kernel(
     *,
     spec: AttentionSpec,
     group: int,
+    quantized: bool,
 ):
     kv_head, q_block = pl.program_id(0), pl.program_id(1)
     block_q = q_ref.shape[0] // group
@@ -354,7 +374,8 @@ def _attention_kernel(
         state=(m_ref, l_ref, acc_ref),
         spec=spec,
     )
-    _attend_cached_pages(step, kv_hbm, k_pages_buf, v_pages_buf, sems)  # phase 1
+    page_bufs = (k_pages_buf, v_pages_buf, k_scales_buf, v_scales_buf)
+    _attend_cached_pages(step, kv_hbm, scales_hbm, page_bufs, sems, quantized)  # phase 1
     _attend_new_tokens(step, k_new_hbm, v_new_hbm, k_new_buf, v_new_buf, sems)  # phase 2
     # ---- phase 3: normalise and store; rows that saw no key (padding tokens) give 0.
     denom = l_ref[...][:, :1]
@@ -365,8 +386,22 @@ def _attention_kernel(
 # ----------------------------------------------------------------------------- wrapper
 
 
+def _dot_dtype(q_dtype, kv: KVCache):
+    """Float KV: its own dtype; quantized KV: float32 for float32 queries, else bfloat16."""
+    if kv.quantized:
+        return jnp.float32 if q_dtype == jnp.float32 else jnp.bfloat16
+    return kv.pages.dtype
+
+
+def _block_q_tile(q_dtype, k_new_dtype, kv: KVCache) -> int:
+    """The sublane tile block_q must be a multiple of: the queries' (in the dot dtype) and
+    the new keys' blocks are [block_q (* G), H]."""
+    return max(_sublane_tile(k_new_dtype), _sublane_tile(_dot_dtype(q_dtype, kv)))
+
+
 def _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts, block_q):
     validate_attention_args(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts)
+    tile = _block_q_tile(q.dtype, k_new.dtype, kv)
     kv = kv.pages
     kv_layout(
         num_layers=kv.shape[0],
@@ -376,7 +411,6 @@ def _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_star
         head_dim=kv.shape[5],
         dtype=kv.dtype,
     )
-    tile = max(_sublane_tile(k_new.dtype), _sublane_tile(kv.dtype))
     if block_q <= 0 or block_q % tile:
         raise ValueError(
             f"block_q={block_q} must be a positive multiple of {tile} for {kv.dtype} KV and "
@@ -432,7 +466,8 @@ def ragged_paged_attention(
     """Causal GQA of a ragged batch over cached pages and new tokens (Pallas TPU kernel).
 
     Args: as `reference.ragged_paged_attention` (q [T, N, H], k_new/v_new [T, K, H],
-      kv (float pages [L, 2, K, num_pages, page_size, H]), layer_index i32[], page_table i32[S, P],
+      kv (pages [L, 2, K, num_pages, page_size, H], float or int8 / float8_e4m3fn with
+      their scales), layer_index i32[], page_table i32[S, P],
       seq_lens i32[S], query_starts i32[S+1], spec), plus tuning:
       block_q: tokens per query block, a multiple of the sublane tile (8; 16 for 16-bit
         K/V). Default: `default_block_q`.
@@ -442,12 +477,11 @@ def ragged_paged_attention(
     Returns: f32[T, N, H]; zeros for padding tokens.
     """
     layer_index = jnp.asarray(layer_index)
-    if kv.quantized:
-        raise ValueError(f"the pallas_tpu kernel reads float KV pages, got {kv.pages.dtype}")
     if block_q is None:
-        tile = max(_sublane_tile(k_new.dtype), _sublane_tile(kv.pages.dtype))
+        tile = _block_q_tile(q.dtype, k_new.dtype, kv)
         block_q = default_block_q(q.shape[0], page_table.shape[0], tile)
     _validate(q, k_new, v_new, kv, layer_index, page_table, seq_lens, query_starts, block_q)
+    quantized, dot_dtype, scales = kv.quantized, _dot_dtype(q.dtype, kv), kv.scales
     kv = kv.pages
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = kv.shape[2], kv.shape[4]
@@ -462,7 +496,6 @@ def ragged_paged_attention(
     padded = num_blocks * block_q
     pad = ((0, padded - num_tokens), (0, 0), (0, 0))
     # [T, N, H] -> [K, T_pad * G, H]: a KV head's query heads of consecutive tokens are rows.
-    dot_dtype = jnp.float32 if kv.dtype == jnp.float32 else kv.dtype
     q_rows = jnp.pad(q.astype(dot_dtype), pad).reshape(padded, num_kv_heads, group, head_dim)
     q_rows = q_rows.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded * group, head_dim)
     k_new_t = jnp.pad(k_new, pad).transpose(1, 0, 2)  # [K, T_pad, H]
@@ -473,18 +506,21 @@ def ragged_paged_attention(
     row_block = pl.BlockSpec((None, rows_m, head_dim), lambda k, i, *_: (k, i, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     page_buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), kv.dtype)
+    scale_buf = pltpu.VMEM((2, pages_per_block if quantized else 1, page_size), jnp.float32)
     new_buf = pltpu.VMEM((2, block_q, head_dim), k_new.dtype)
     out = pl.pallas_call(
-        functools.partial(_attention_kernel, spec=spec, group=group),
+        functools.partial(_attention_kernel, spec=spec, group=group, quantized=quantized),
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, padded * group, head_dim), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_kv_heads, num_blocks),
-            in_specs=[row_block, any_spec, any_spec, any_spec],
+            in_specs=[row_block, any_spec, any_spec, any_spec, any_spec],
             out_specs=row_block,
             scratch_shapes=[
                 page_buf,
                 page_buf,
+                scale_buf,
+                scale_buf,
                 new_buf,
                 new_buf,
                 pltpu.SemaphoreType.DMA((4, 2)),
@@ -509,6 +545,7 @@ def ragged_paged_attention(
         k_new_t,
         v_new_t,
         kv,
+        scales,
     )
     out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(padded, num_heads, head_dim)[:num_tokens]

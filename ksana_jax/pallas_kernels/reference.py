@@ -44,6 +44,28 @@ def _write_rows(kv: KVCache, index: tuple, new: jax.Array) -> KVCache:
     )
 
 
+def quantize_new_rows(kv: KVCache, new: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """New K/V rows new [..., H] as `kv`'s pages store them: for quantized pages, the
+    quantized rows and their scales f32[...]; for float pages, new as it is and None. The
+    Pallas writers store the first with their kernels and the scales with `write_scales`."""
+    if not kv.quantized:
+        return new, None
+    return quantize_rows(new, kv.pages.dtype)
+
+
+def write_scales(scales: jax.Array, layer_index, new_scales: jax.Array, slot_ids: jax.Array):
+    """scales f32[L, 2, K, num_pages, page_size] with new row scales at `slot_ids` i32[T]:
+    new_scales f32[L, 2, T, K] into every layer (layer_index None), or f32[2, T, K] into
+    layer `layer_index`. A scatter: in place when the scales are donated."""
+    if layer_index is None:
+        slot_ids, new_scales = _two_rows_at_least(slot_ids, new_scales, axis=2)
+        index = (slice(None), slice(None), slice(None), slot_ids)
+        return _scatter_slots(scales, index, new_scales.swapaxes(2, 3))  # [L, 2, K, T]
+    slot_ids, new_scales = _two_rows_at_least(slot_ids, new_scales, axis=1)
+    index = (layer_index, slice(None), slice(None), slot_ids)
+    return _scatter_slots(scales, index, new_scales.transpose(1, 0, 2))  # [T, 2, K]
+
+
 def gather_layer_pages(kv: KVCache, layer_index, page_ids: jax.Array) -> jax.Array:
     """Pages `page_ids` i32[...] of one layer, dequantized if quantized: [..., 2, K,
     page_size, H] (the pages' dtype for float pages, float32 for quantized ones)."""

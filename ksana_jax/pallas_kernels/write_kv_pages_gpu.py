@@ -14,6 +14,9 @@ them to kv[first_layer + l, 0|1, head, page, row, :]. T is padded to whole block
 repeating the last token (an identical write), so no lane is masked.
 If two tokens name the same slot (padding tokens all write the sink page) either may win,
 as with XLA's scatter.
+Quantized pages (int8, float8_e4m3fn): the wrapper quantizes the new rows
+(`reference.quantize_new_rows`), the kernel stores the quantized rows as above, and XLA
+scatters their float32 scales into kv.scales (`reference.write_scales`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ksana_jax.kv_cache import KVCache
+from ksana_jax.pallas_kernels import reference
 from ksana_jax.pallas_kernels.attention_args import layer_as_array, validate_write_args
 from ksana_jax.pallas_kernels.paged_attention_gpu import kv_layout
 
@@ -56,9 +60,13 @@ def _write_kernel(first_layer_ref, slot_ids_ref, new_ref, kv_in_ref, kv_ref, *, 
 def _write(kv, new_kv, slot_ids, first_layer, block_t, num_warps, num_stages, interpret):
     """new_kv [L', 2, T, K, H] into layers first_layer .. first_layer + L' - 1 of kv."""
     validate_write_args(kv, new_kv, slot_ids)
-    if kv.quantized:
-        raise ValueError(f"the pallas_gpu KV write takes float pages, got {kv.pages.dtype}")
+    new_kv, new_scales = reference.quantize_new_rows(kv, new_kv)
     scales, kv = kv.scales, kv.pages
+    if new_scales is not None:
+        layer = None if new_kv.shape[0] == kv.shape[0] else first_layer[0]
+        scales = reference.write_scales(
+            scales, layer, new_scales if layer is None else new_scales[0], slot_ids
+        )
     if block_t <= 0 or block_t & (block_t - 1):
         raise ValueError(f"block_t={block_t} must be a power of two")
     num_layers, _, num_kv_heads, num_pages, page_size, head_dim = kv.shape
@@ -107,9 +115,10 @@ def write_kv_pages(
     """Scatters every layer's new K/V rows into their slots of the KV array, in place.
 
     Args:
-      kv: float pages [L, 2, K, num_pages, page_size, H] (aliased to the result;
-        donate it to the enclosing jit so no copy is made).
-      new_kv: [L, 2, T, K, H] each layer's new keys (index 0) and values (index 1).
+      kv: pages [L, 2, K, num_pages, page_size, H] (aliased to the result; donate it to the
+        enclosing jit so no copy is made) and, for int8 / fp8 pages, their row scales.
+      new_kv: [L, 2, T, K, H] each layer's new keys (index 0) and values (index 1);
+        quantized here for quantized pages.
       slot_ids: i32[T] flat slot (page * page_size + offset) of each token.
       block_t: tokens per program, a power of two.
       num_warps, num_stages: Triton launch parameters.
@@ -138,7 +147,8 @@ def write_layer_kv(
     """`write_kv_pages` for one layer (`reference.write_layer_kv`), in place.
 
     Args:
-      kv: float pages [L, 2, K, num_pages, page_size, H] (aliased to the result).
+      kv: pages [L, 2, K, num_pages, page_size, H] (aliased to the result), with scales
+        for int8 / fp8 pages (the new rows are quantized here).
       layer_index: the layer to write (a Python int is range-checked; a traced i32 scalar
         cannot be). Either way it is data, so all layers share one compiled kernel.
       k_new, v_new: [T, K, H] the layer's new keys and values.

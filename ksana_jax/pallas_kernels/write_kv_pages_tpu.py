@@ -25,6 +25,11 @@ Grid: (layers written, T page groups), "parallel" x "arbitrary". At step (l, g):
   - copied out: the page block, back to the same page (aliased).
 Steps past the last group keep the last group's block index, so Pallas neither fetches
 nor writes anything for them.
+
+Quantized pages (int8, float8_e4m3fn): the wrapper quantizes the new rows
+(`reference.quantize_new_rows`), the kernel writes the quantized rows as above, and their
+float32 scales are scattered into kv.scales by XLA (`reference.write_scales`; a scales
+row is one sublane of a tile, which Mosaic would have to copy tile by tile).
 """
 
 from __future__ import annotations
@@ -38,16 +43,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ksana_jax.kv_cache import KVCache
+from ksana_jax.pallas_kernels import reference
 from ksana_jax.pallas_kernels.attention_args import layer_as_array, validate_write_args
 from ksana_jax.pallas_kernels.ragged_paged_attention_tpu import kv_layout
 
 __all__ = ["kv_layout", "write_kv_pages", "write_layer_kv"]
-
-
-def _float_pages(kv: KVCache) -> jax.Array:
-    if kv.quantized:
-        raise ValueError(f"the pallas_tpu KV write takes float pages, got {kv.pages.dtype}")
-    return kv.pages
 
 
 def _write_kernel(
@@ -167,9 +167,10 @@ def write_kv_pages(
     """Scatters every layer's new K/V rows into their slots of the KV array, in place.
 
     Args:
-      kv: float pages [L, 2, K, num_pages, page_size, H] (aliased to the result;
-        donate it to the enclosing jit so no copy is made).
-      new_kv: [L, 2, T, K, H] each layer's new keys (index 0) and values (index 1).
+      kv: pages [L, 2, K, num_pages, page_size, H] (aliased to the result; donate it to the
+        enclosing jit so no copy is made) and, for int8 / fp8 pages, their row scales.
+      new_kv: [L, 2, T, K, H] each layer's new keys (index 0) and values (index 1);
+        quantized here for quantized pages.
       slot_ids: i32[T] flat slot (page * page_size + offset) of each token.
       vmem_limit_bytes: Mosaic's scoped VMEM limit (a layer's new rows, T * 2 * K * H,
         sit in VMEM double-buffered).
@@ -177,13 +178,15 @@ def write_kv_pages(
     Returns: kv with exactly those T slots of every layer overwritten.
     """
     validate_write_args(kv, new_kv, slot_ids)
-    pages = _float_pages(kv)
-    if new_kv.shape[0] != pages.shape[0]:
-        raise ValueError(f"new_kv must have all {pages.shape[0]} layers, got {new_kv.shape[0]}")
-    new_rows = new_kv.transpose(0, 2, 1, 3, 4)  # [L, T, 2, K, H]: a token's rows lead
+    if new_kv.shape[0] != kv.pages.shape[0]:
+        raise ValueError(f"new_kv must have all {kv.pages.shape[0]} layers, got {new_kv.shape[0]}")
+    values, new_scales = reference.quantize_new_rows(kv, new_kv)
+    new_rows = values.transpose(0, 2, 1, 3, 4)  # [L, T, 2, K, H]: a token's rows lead
     first_layer = jnp.zeros(1, jnp.int32)
-    pages = _write_pages(pages, new_rows, slot_ids, first_layer, vmem_limit_bytes, interpret)
-    return KVCache(pages, kv.scales)
+    pages = _write_pages(kv.pages, new_rows, slot_ids, first_layer, vmem_limit_bytes, interpret)
+    if new_scales is None:
+        return KVCache(pages, kv.scales)
+    return KVCache(pages, reference.write_scales(kv.scales, None, new_scales, slot_ids))
 
 
 def write_layer_kv(
@@ -199,7 +202,8 @@ def write_layer_kv(
     """`write_kv_pages` for one layer (`reference.write_layer_kv`), in place.
 
     Args:
-      kv: float pages [L, 2, K, num_pages, page_size, H] (aliased to the result).
+      kv: pages [L, 2, K, num_pages, page_size, H] (aliased to the result), with scales
+        for int8 / fp8 pages (the new rows are quantized here).
       layer_index: the layer to write (a Python int is range-checked; a traced i32 scalar
         cannot be). Either way it is data, so all layers share one compiled kernel.
       k_new, v_new: [T, K, H] the layer's new keys and values.
@@ -222,8 +226,10 @@ def write_layer_kv(
 def _write_layer_kv(kv, first_layer, k_new, v_new, slot_ids, *, vmem_limit_bytes, interpret):
     new_kv = jnp.stack([k_new, v_new])[None]  # [1, 2, T, K, H]
     validate_write_args(kv, new_kv, slot_ids)
-    new_rows = new_kv.transpose(0, 2, 1, 3, 4)
-    pages = _write_pages(
-        _float_pages(kv), new_rows, slot_ids, first_layer, vmem_limit_bytes, interpret
-    )
-    return KVCache(pages, kv.scales)
+    values, new_scales = reference.quantize_new_rows(kv, new_kv)
+    new_rows = values.transpose(0, 2, 1, 3, 4)
+    pages = _write_pages(kv.pages, new_rows, slot_ids, first_layer, vmem_limit_bytes, interpret)
+    if new_scales is None:
+        return KVCache(pages, kv.scales)
+    scales = reference.write_scales(kv.scales, first_layer[0], new_scales[0], slot_ids)
+    return KVCache(pages, scales)
