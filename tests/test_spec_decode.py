@@ -374,7 +374,10 @@ def test_no_compilation_after_warm_up_with_a_draft_model(draft_runs):
     assert draft_runs["compiles"] == (0, [])
 
 
-def test_draft_model_seeded_sampling_equals_without(tiny_model, small_draft):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_draft_model_seeded_sampling_equals_without(tiny_model, small_draft, async_scheduling):
+    """Seeded outputs equal; with the async scheduler, steps overlap while more than 2 rows
+    run (the draft still computes their tokens) and speculate once fewer do."""
     prompts = _repetitive_prompts(4, seed=3)
     params = [
         SamplingParams(temperature=0.7, seed=3, max_tokens=16, logprobs=1),
@@ -382,7 +385,14 @@ def test_draft_model_seeded_sampling_equals_without(tiny_model, small_draft):
     ] * 2
     config = DRAFT_CONFIG  # the steps draft_runs compiled
     want = LLM(tiny_model, warm_up=False, **config).generate(prompts, params, use_tqdm=False)
-    llm = LLM(tiny_model, warm_up=False, speculative_config=_draft(small_draft, 4), **config)
+    spec = _draft(small_draft, 4) | {"disable_by_batch_size": 2 if async_scheduling else 32}
+    llm = LLM(
+        tiny_model,
+        warm_up=False,
+        speculative_config=spec,
+        async_scheduling=async_scheduling,
+        **config,
+    )
     got = llm.generate(prompts, params, use_tqdm=False)
     for w, g in zip(want, got, strict=True):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
