@@ -63,6 +63,10 @@ def lower_decode_step(
             layout,
             config.max_logprobs,
             backend,
+            None,  # no draft model: its params, KV, config; k
+            None,
+            None,
+            0,
         )
     finally:
         jax.default_backend = default_backend

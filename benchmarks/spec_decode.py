@@ -1,17 +1,23 @@
-"""Speculative decoding (n-gram prompt lookup) on and off, on the demo model (SmolLM2-135M).
+"""Speculative decoding (n-gram prompt lookup, a draft model) on and off, on the demo model
+(SmolLM2-135M).
 
-Two engines on the same model and buckets, one with `speculative_config` n-gram (k proposals
-a step), one without. Workloads, greedy:
+Engines on the same model and buckets: one without speculation, one with n-gram
+`speculative_config` (k proposals a step) and, with `--draft PATH` (`--draft demo`: SmolLM2
+as its own draft), one with that draft model. There is no smaller SmolLM2-family model here,
+so the draft row shows the draft path's cost and a self-draft's acceptance (every proposal
+is right), not a speed-up: a useful draft is several times cheaper than its target.
+Workloads, greedy:
   - copy/edit: chat requests to repeat, correct or reformat a text shipped below (the
     answer repeats the prompt: proposals are found and accepted);
   - open: open-ended chat prompts (few proposals).
 Batch 1: each request alone, in turn; tokens/s = output tokens / wall time. 16 rows: the
 open prompts x 4 submitted at once (continuous batching). Each setting runs once untimed
-first (compiles its shapes), then timed. Prints tokens/s per setting, the ratio on/off,
-the mean accepted length (tokens a verifying row emits per step, 1 + accepted proposals),
-and whether the greedy outputs were equal.
+first (compiles its shapes), then timed. Prints tokens/s per setting and method, the ratio
+to off, the mean accepted length (tokens a verifying row emits per step, 1 + accepted
+proposals), and whether the greedy outputs were equal.
 
     python benchmarks/spec_decode.py [--k 4] [--dtype bfloat16] [--max-tokens 128]
+        [--draft demo|PATH]
 """
 
 from __future__ import annotations
@@ -78,12 +84,18 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--draft", help="also a draft model (`demo`: SmolLM2 as its own)")
     args = parser.parse_args()
     model = load(demo_checkpoint(), dtype=args.dtype)
-    config = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=256, warm_up=False)
+    config = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=256,
+                  warm_up=False, dtype=args.dtype)  # fmt: skip
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
             "prompt_lookup_min": 2}  # fmt: skip
-    engines = {"off": LLM(model, **config), "on": LLM(model, speculative_config=spec, **config)}
+    engines = {"off": LLM(model, **config), "ngram": LLM(model, speculative_config=spec, **config)}
+    if args.draft:
+        path = str(demo_checkpoint()) if args.draft == "demo" else args.draft
+        draft = {"model": path, "num_speculative_tokens": args.k}
+        engines["draft"] = LLM(model, speculative_config=draft, **config)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     tok = model.tokenizer
     workloads = {
@@ -91,23 +103,27 @@ def main() -> None:
         "open, batch 1": ([chat(tok, p) for p in OPEN], False),
         "open, 16 rows": ([chat(tok, p) for p in OPEN] * 4, True),
     }
-    print(f"SmolLM2-135M {args.dtype}, n-gram k={args.k}, greedy, {args.max_tokens} tokens")
-    print(f"{'workload':<22}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}{'acc. len':>10}  same")
+    print(f"SmolLM2-135M {args.dtype}, k={args.k}, greedy, {args.max_tokens} tokens")
+    print(
+        f"{'workload':<22}{'method':<8}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}"
+        f"{'acc. len':>10}  same"
+    )
     for name, (prompts, batch) in workloads.items():
-        rates, outputs = {}, {}
+        rates, outputs, before = {}, {}, {}
         for which, llm in engines.items():
             run(llm, prompts, params, batch)  # compiles this workload's shapes
-            if which == "on":
+            if which != "off":
                 sp = llm.engine.speculator
-                before = (sp.drafted_per_position[0], sp.num_accepted)
+                before[which] = (sp.drafted_per_position[0], sp.num_accepted)
             rates[which], outputs[which] = run(llm, prompts, params, batch)
-        same = outputs["on"] == outputs["off"]
-        ratio = rates["on"] / rates["off"]
-        length = accepted_length(engines["on"], before)
-        print(
-            f"{name:<22}{rates['off']:>10.1f}{rates['on']:>10.1f}{ratio:>7.2f}x{length:>10.2f}  "
-            f"{same}"
-        )
+        for which in before:
+            same = outputs[which] == outputs["off"]
+            ratio = rates[which] / rates["off"]
+            length = accepted_length(engines[which], before[which])
+            print(
+                f"{name:<22}{which:<8}{rates['off']:>10.1f}{rates[which]:>10.1f}{ratio:>7.2f}x"
+                f"{length:>10.2f}  {same}"
+            )
 
 
 if __name__ == "__main__":

@@ -487,7 +487,8 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = _field(  # noqa: RUF009 (a default of None)
         None,
         'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (see docs/speculative.md)',
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}, or a draft model with the same '
+        'vocabulary: {"model": PATH, "num_speculative_tokens": 4} (see docs/speculative.md)',
     )
     compilation_cache_dir: str | None = _field(
         None, "JAX persistent compilation cache directory (serve: ~/.cache/ksana-jax/jax)"

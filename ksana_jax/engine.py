@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 from ksana_jax.batch import suppressed_ids
 from ksana_jax.config import EngineConfig
+from ksana_jax.draft import load_draft
 from ksana_jax.model import Model
 from ksana_jax.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from ksana_jax.page_manager import PageManager
@@ -111,8 +112,11 @@ class LLMEngine:
         self.model = model
         self.config = config
         self.tokenizer = model.tokenizer
-        self.runner = ModelRunner(model, config)
         spec = config.speculative
+        draft_model = None
+        if spec is not None and spec.model is not None:
+            draft_model = load_draft(spec.model, model, config)
+        self.runner = ModelRunner(model, config, draft_model)
         self.speculator = Speculator(spec) if spec is not None else None
         cache = PrefixCache(config.page_size) if config.enable_prefix_caching else None
         self.pages = PageManager(self.runner.num_pages, cache)
@@ -315,9 +319,9 @@ class LLMEngine:
         """fetch -> update -> emit for a dispatched step."""
         fetch_begin = time.perf_counter()
         was_ready = done.in_flight.out[0].token_ids.is_ready()
-        sampled, scored = self.runner.fetch(done.in_flight)
+        sampled, scored, proposals = self.runner.fetch(done.in_flight)
         fetch_end = time.perf_counter()
-        advanced = self.scheduler.update_from_output(done.scheduled, sampled.token_ids)
+        advanced = self.scheduler.update_from_output(done.scheduled, sampled.token_ids, proposals)
         if scored is not None:
             self._store_prompt_logprobs(done.scheduled, scored)
         outputs = self._emit(advanced, sampled)

@@ -24,10 +24,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.layout import Format, Layout
 from tqdm import tqdm
 
-from ksana_jax import multihost
+from ksana_jax import draft, multihost
 from ksana_jax.batch import (
     PackLayout,
     PersistentBatch,
@@ -120,13 +121,18 @@ def _sample_positions(
 def _last_tokens(sampled: SampledTokens, inputs: StepInputs, rows: RowInputs) -> jax.Array:
     """bool[W]: the position whose token is its row's last after verification: the first
     whose draft the target rejected, or the last (spec_decode.py)."""
-    num_tokens, num_seqs = inputs.token_ids.shape[0], rows.reset_slots.shape[0]
-    next_ids = inputs.token_ids[jnp.minimum(rows.sample_token_slots + 1, num_tokens - 1)]
-    match = rows.sample_has_draft & (sampled.token_ids == next_ids)
+    num_seqs = rows.reset_slots.shape[0]
+    match = rows.sample_has_draft & (sampled.token_ids == _next_tokens(inputs, rows))
     never = jnp.iinfo(jnp.int32).max
     first_miss = jnp.full(num_seqs + 1, never, jnp.int32)
     first_miss = first_miss.at[rows.sample_rows].min(jnp.where(match, never, rows.sample_offsets))
     return rows.sample_offsets == first_miss[rows.sample_rows]
+
+
+def _next_tokens(inputs: StepInputs, rows: RowInputs) -> jax.Array:
+    """i32[W]: the token after each sampled position (its proposal where it has one)."""
+    num_tokens = inputs.token_ids.shape[0]
+    return inputs.token_ids[jnp.minimum(rows.sample_token_slots + 1, num_tokens - 1)]
 
 
 def _engine_step(
@@ -138,15 +144,26 @@ def _engine_step(
     layout: PackLayout,
     max_logprobs: int,
     backend: str = "reference",
-) -> tuple[tuple[SampledTokens, ScoredLogprobs], KVCache, BatchState]:
+    draft_params: registry.Params | None = None,
+    draft_kv: KVCache | None = None,
+    draft_cfg: ModelConfig | None = None,
+    num_speculative: int = 0,
+) -> tuple[tuple[SampledTokens, ScoredLogprobs, jax.Array], KVCache, BatchState, KVCache | None]:
     """Unpacks the step's inputs (StepInputs, SamplingInputs, RowInputs; see batch.pack),
     feeds placeholders their slot's last sampled token, counts the fed tokens for
     penalties, runs the model, samples each row's last token and scores the prompt
     positions RowInputs names. A position whose draft the target's token equals accepts it;
-    each slot's last token becomes its row's last token after verification."""
+    each slot's last token becomes its row's last token after verification. With a draft
+    model (draft.py) the draft first fills the drafted slots, then computes the step's
+    tokens on its own KV. Also returns each sampled position's proposal i32[W] (-1: none)."""
     inputs, sampling, rows = unpack(buffers, layout)
     fed = state.last_token.at[rows.last_token_slots].get(mode="fill", fill_value=-1)
     inputs = dataclasses.replace(inputs, token_ids=jnp.where(fed >= 0, fed, inputs.token_ids))
+    if draft_cfg is not None:
+        inputs, draft_kv = draft.propose(
+            draft_params, draft_cfg, draft_kv, inputs, rows, num_speculative, backend
+        )
+        draft_kv = draft.catch_up(draft_params, draft_cfg, draft_kv, inputs, backend)
     counts = jax.lax.cond(
         jnp.any(penalties_active(sampling)),
         lambda c: count_tokens(
@@ -166,7 +183,8 @@ def _engine_step(
     )
     last = jnp.where(_last_tokens(sampled, inputs, rows), sampling.slots, state.last_token.size)
     last_token = state.last_token.at[last].set(sampled.token_ids, mode="drop")
-    return (sampled, scored), kv, _replicated(BatchState(last_token, counts))
+    proposals = jnp.where(rows.sample_has_draft, _next_tokens(inputs, rows), -1)
+    return (sampled, scored, proposals), kv, _replicated(BatchState(last_token, counts)), draft_kv
 
 
 def _replicated(tree):
@@ -179,7 +197,8 @@ def _replicated(tree):
 
 
 _STEP_JIT = dict(
-    static_argnames=("cfg", "layout", "max_logprobs", "backend"), donate_argnames=("kv", "state")
+    static_argnames=("cfg", "layout", "max_logprobs", "backend", "draft_cfg", "num_speculative"),
+    donate_argnames=("kv", "state", "draft_kv"),
 )
 engine_step = jax.jit(_engine_step, **_STEP_JIT)
 _step_functions = {engine_step}  # every jitted step, for compile_count
@@ -207,8 +226,9 @@ def kv_pinned_engine_step(kv_format: Format):
     keyword arguments."""
     step = jax.jit(
         _engine_step,
-        in_shardings=(None, kv_shardings(kv_format), None, None),  # params, kv, state, buffers
-        out_shardings=(None, kv_shardings(kv_format), None),
+        # params, kv, state, buffers, draft params, draft KV (the draft's KV is not pinned)
+        in_shardings=(None, kv_shardings(kv_format), None, None, None, None),
+        out_shardings=(None, kv_shardings(kv_format), None, None),
         **_STEP_JIT,
     )
     _step_functions.add(step)
@@ -219,10 +239,11 @@ class InFlight(NamedTuple):
     """A dispatched step: its device outputs, sampled positions that matter, whether any
     wants logprobs, how many prompt positions it scores."""
 
-    out: tuple[SampledTokens, ScoredLogprobs]
+    out: tuple[SampledTokens, ScoredLogprobs, jax.Array]
     num_rows: int
     logprobs: bool
     num_scored: int
+    drafted: bool = False  # a draft model proposed: the host reads the proposals
 
 
 def _bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
@@ -255,8 +276,9 @@ def resolve_num_pages(
 
 
 class ModelRunner:
-    def __init__(self, model: Model, config: EngineConfig):
+    def __init__(self, model: Model, config: EngineConfig, draft_model: Model | None = None):
         self.model = model
+        self.draft = draft_model  # speculative decoding's draft model (draft.py), or None
         self.config = config
         platform = jax.default_backend()
         capability = getattr(jax.local_devices()[0], "compute_capability", None)
@@ -291,6 +313,20 @@ class ModelRunner:
             kv_sharding = kv_row_major_format(kv_sharding)
             self.step = kv_pinned_engine_step(kv_sharding)
         self.kv = allocate_kv(self.kv_spec, kv_sharding)
+        self.draft_kv = None
+        if draft_model is not None:  # the same pages, indexed by the same page ids
+            spec = KVCacheSpec.for_model(
+                draft_model.config, self.num_pages, config.page_size, kv_dtype
+            )
+            self.backend.check(
+                spec.shape,
+                spec.dtype,
+                specs=registry.attention_specs(draft_model.config),
+                num_heads=draft_model.config.num_attention_heads,
+                dtype=draft_model.dtype,
+                compute_capability=capability,
+            )
+            self.draft_kv = allocate_kv(spec, draft_model.plan.kv_sharding(spec.shape))
         num_slots = config.max_num_seqs + 1  # the last is the padding rows' sink
         self.batch = PersistentBatch(
             num_slots,
@@ -315,17 +351,19 @@ class ModelRunner:
 
     def execute(
         self, inputs: StepInputs, sampling: SamplingInputs, rows: RowInputs
-    ) -> tuple[SampledTokens, ScoredLogprobs]:
+    ) -> tuple[SampledTokens, ScoredLogprobs, jax.Array]:
         """Dispatches one jitted step on host inputs; returns its outputs as device arrays
-        (not waited for). With several processes every one runs it with the same inputs
-        (process 0 sends them first, see multihost.py)."""
+        (not waited for): sampled tokens, scored prompt logprobs, proposals. With several
+        processes every one runs it with the same inputs (process 0 sends them first, see
+        multihost.py)."""
         if self.channel is not None:
             self.channel.send(inputs, sampling, rows)
         buffers, layout = pack((inputs, sampling, rows))
         if self.plan.mesh.size > 1:  # one device: jit's own transfer of numpy is faster
             buffers = self.plan.put_replicated(buffers)
+        draft = self.draft
         with self.plan.activate():
-            out, self.kv, self.state = self.step(
+            out, self.kv, self.state, self.draft_kv = self.step(
                 self.model.params,
                 self.model.config,
                 self.kv,
@@ -334,6 +372,10 @@ class ModelRunner:
                 layout,
                 self.config.max_logprobs,
                 self.backend.name,
+                None if draft is None else draft.params,
+                self.draft_kv,
+                None if draft is None else draft.config,
+                self.config.num_speculative_tokens,
             )
         return out
 
@@ -344,7 +386,10 @@ class ModelRunner:
         num_seqs = _bucket(cfg.seq_buckets, len(chunks), "sequences")
         # Attention reads only cached tokens from the pages, so the context bucket covers
         # the longest cached prefix; a fresh prompt's prefill gathers almost nothing.
-        context = _bucket(self.context_buckets, max(c.start for c in chunks), "cached tokens")
+        # A draft model's k decode steps attend to up to start + k - 1 cached tokens.
+        drafting = self.draft is not None
+        cached = max(c.start + drafting * len(c.draft_token_ids) for c in chunks)
+        context = _bucket(self.context_buckets, cached, "cached tokens")
         width = sample_width(num_tokens, num_seqs, cfg.num_speculative_tokens)
         inputs, sampling, rows = self.batch.prepare(
             chunks, num_tokens, num_seqs, context // cfg.page_size, width
@@ -352,16 +397,21 @@ class ModelRunner:
         num_positions = sum(c.num_positions for c in chunks)
         logprobs = bool((sampling.num_logprobs[:num_positions] >= 0).any())
         num_scored = sum(c.num_scored for c in chunks)
-        return InFlight(self.execute(inputs, sampling, rows), num_positions, logprobs, num_scored)
+        drafted = drafting and any(c.draft_token_ids for c in chunks)
+        out = self.execute(inputs, sampling, rows)
+        return InFlight(out, num_positions, logprobs, num_scored, drafted)
 
     @staticmethod
-    def fetch(step: InFlight) -> tuple[SampledTokens, ScoredLogprobs | None]:
+    def fetch(
+        step: InFlight,
+    ) -> tuple[SampledTokens, ScoredLogprobs | None, np.ndarray | None]:
         """Waits for a dispatched step: each sampled position's token and logprobs (each
-        chunk's num_positions, chunk after chunk), and the
-        scored prompt positions' logprobs in chunk order (numpy; logprob arrays are copied
-        only when some row asked for them, else None)."""
+        chunk's num_positions, chunk after chunk), the scored prompt positions' logprobs in
+        chunk order (numpy; logprob arrays are copied only when some row asked for them,
+        else None), and where a draft model proposed, each position's proposal (else None)."""
         n = step.num_rows
-        out, scored = step.out
+        out, scored, proposals = step.out
+        proposals = fetch(proposals)[:n] if step.drafted else None
         if not step.logprobs:
             sampled = SampledTokens(fetch(out.token_ids)[:n], None, None, None)
         else:
@@ -370,11 +420,13 @@ class ModelRunner:
                 out.token_ids[:n], out.logprobs[:n], out.top_ids[:n], out.top_logprobs[:n]
             )
         if not step.num_scored:
-            return sampled, None
+            return sampled, None, proposals
         q = step.num_scored
-        return sampled, jax.tree.map(lambda a: a[:q], fetch(scored))
+        return sampled, jax.tree.map(lambda a: a[:q], fetch(scored)), proposals
 
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[SampledTokens, ScoredLogprobs | None]:
+    def run(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[SampledTokens, ScoredLogprobs | None, np.ndarray | None]:
         """Runs one step and waits for it."""
         return self.fetch(self.dispatch(chunks))
 

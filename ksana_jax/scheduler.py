@@ -178,7 +178,10 @@ class Scheduler:
         self._after_prompt.pop(request.request_id, None)
 
     def update_from_output(
-        self, scheduled: SchedulerOutput, token_ids: Sequence[int]
+        self,
+        scheduled: SchedulerOutput,
+        token_ids: Sequence[int],
+        proposals: Sequence[int] | None = None,
     ) -> list[tuple[int, Request, int]]:
         """Applies a step's sampled tokens (`token_ids`: each chunk's num_positions, chunk
         after chunk). A sampling chunk whose request is not finished keeps its drafts up to the
@@ -186,7 +189,9 @@ class Scheduler:
         num_computed_tokens back over the rejected ones), and gets those tokens one by one
         until a stop token id, EOS (past min_tokens) or max_tokens ends it. Returns (position
         of its first token, request, tokens added) for each request that got tokens; a
-        finished request's tokens are discarded (async scheduling ran it once more)."""
+        finished request's tokens are discarded (async scheduling ran it once more).
+        `proposals` (like token_ids): a draft model's, filled in on the device where the
+        chunk's drafts are spec_decode.DRAFTED."""
         advanced = []
         end = 0
         for chunk in scheduled.chunks:
@@ -197,6 +202,8 @@ class Scheduler:
                 continue
             request.num_placeholders -= 1
             drafts = chunk.draft_token_ids
+            if proposals is not None and drafts:
+                drafts = [int(t) for t in proposals[first : first + len(drafts)]]
             new = [int(t) for t in token_ids[first:end]]
             num_accepted = 0
             while num_accepted < len(drafts) and new[num_accepted] == drafts[num_accepted]:

@@ -1,18 +1,21 @@
 """Speculative decoding on the host: the configuration, and n-gram (prompt lookup) proposals.
 
 In: the running requests at the start of a schedule. Out: up to k proposed next tokens per
-decode row. The scheduler runs each such row as a chunk of its last token plus its proposals
-(counted against the token budget, with pages for them); the step samples the target at all
+decode row (with a draft model, k DRAFTED placeholders the step fills in on the device with
+the draft's greedy proposals, see draft.py; the host learns them with the step's tokens).
+The scheduler runs each such row as a chunk of its last token plus its proposals (counted
+against the token budget, with pages for them); the step samples the target at all
 1 + k positions and the scheduler keeps the longest prefix of proposals the target agrees
 with plus the target's own token after it (`num_accepted`), rolling `num_computed_tokens`
 back over the rest, whose KV slots the next steps overwrite.
 
 Verification is exact (runner._sample_positions): at each position the step draws the
 target's token with the same seeded noise the non-speculative sampler uses for that output
-index, and a proposal is accepted iff it equals that draw. For a one-hot draft (n-gram, or a
-greedy draft) this *is* rejection sampling -- accept d with probability p(d), else draw from
-p with d removed, renormalised -- and it makes a request's tokens identical with speculation
-on or off, so speculation may switch itself on and off per step without changing outputs.
+index, and a proposal is accepted iff it equals that draw. For a one-hot draft (n-gram, or
+a greedy draft model) this *is* rejection sampling -- accept d with probability p(d), else
+draw from p with d removed, renormalised -- and it makes a request's tokens identical with
+speculation on or off, so speculation may switch itself on and off per step without changing
+outputs.
 
 Speculation turns itself down where it does not pay: no proposals while more than
 `disable_by_batch_size` requests run (a batch is already compute-bound), and none for a row
@@ -31,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+DRAFTED = -1  # a draft model's proposal: the step fills it in on the device (draft.py)
 ACCEPTANCE_DECAY = 0.8  # weight of the past in a row's running acceptance
 ACCEPTANCE_RECOVERY = 0.005  # per step without proposals a turned-down row drifts back to 1
 # (from 0.15 to 0.2 in ~12 steps: a row that stopped paying is retried now and then)
@@ -42,7 +46,7 @@ class SpeculativeConfig:
     """vLLM's `speculative_config` names; `disable_by_batch_size` and `min_acceptance` say
     where speculation turns itself down."""
 
-    method: str = "ngram"
+    method: str | None = None  # "ngram", or "draft_model" when `model` is given
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -51,14 +55,16 @@ class SpeculativeConfig:
     min_acceptance: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.model is not None:
-            raise ValueError(
-                "speculative_config.model: draft models are not supported yet; use "
-                '{"method": "ngram", ...}'
-            )
+        if self.method is None:
+            object.__setattr__(self, "method", "ngram" if self.model is None else "draft_model")
         if self.method not in METHODS:
             raise ValueError(
                 f"speculative_config.method must be one of {METHODS}, got {self.method!r}"
+            )
+        if (self.method == "draft_model") != isinstance(self.model, str):
+            raise ValueError(
+                f"speculative_config.model must be a draft model's path exactly when the method "
+                f"is 'draft_model' (method {self.method!r}, model {self.model!r})"
             )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "disable_by_batch_size"):
             value = getattr(self, name)
@@ -138,6 +144,9 @@ class Speculator:
                 continue
             if r.spec_acceptance < cfg.min_acceptance:
                 r.spec_acceptance += (1.0 - r.spec_acceptance) * ACCEPTANCE_RECOVERY
+                continue
+            if cfg.method == "draft_model":
+                out[r] = [DRAFTED] * cfg.num_speculative_tokens
                 continue
             tokens = np.asarray(r.all_token_ids, np.int64)
             draft = ngram_proposal(

@@ -6,6 +6,7 @@ compilation after warm-up."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -31,7 +32,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
         ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}, "unknown keys"),
         ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
-        ({"model": "/some/draft", "num_speculative_tokens": 2}, "speculative_config.model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+        ({"method": "ngram", "model": "/some/draft"}, "speculative_config.model"),
         ("ngram", "must be a dict"),
     ],
 )
@@ -45,6 +47,11 @@ def test_serve_flag_takes_json():
         ["serve", "demo", "--speculative-config", '{"num_speculative_tokens": 3}']
     )
     assert args.speculative_config == {"num_speculative_tokens": 3}
+    draft = '{"model": "/ckpt/small", "num_speculative_tokens": 2}'
+    args = build_parser().parse_args(["serve", "demo", "--speculative-config", draft])
+    assert EngineConfig(speculative_config=args.speculative_config).speculative.method == (
+        "draft_model"
+    )
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "demo", "--speculative-config", "[1]"])
 
@@ -144,10 +151,16 @@ LOOKUP_1 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min":
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
-    """The tiny model, and transformers' own (the reference)."""
+def tiny_written(tmp_path_factory):
+    """The tiny model's directory, and transformers' model (the reference)."""
     path = tmp_path_factory.mktemp("tiny-spec") / "hf"
-    hf = write_tiny_hf(path, initializer_range=0.2, eos_token_id=None)
+    return path, write_tiny_hf(path, initializer_range=0.2, eos_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_written):
+    """The tiny model, and transformers' own (the reference)."""
+    path, hf = tiny_written
     return ksana_jax.load(path), hf
 
 
@@ -279,3 +292,111 @@ def test_verified_token_follows_the_target_distribution(tiny_pair):
     print(f"p-value against the exact distribution {good:.3g}, against the broken {bad:.3g}")
     assert good > 1e-3
     assert bad < 1e-6
+
+
+# ------------------------------------------------------------------ draft models
+
+
+def _draft(path, k: int = 3) -> dict:
+    return {"model": str(path), "num_speculative_tokens": k, "disable_by_batch_size": 32}
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    """A different, smaller random model with the tiny model's vocabulary."""
+    path = tmp_path_factory.mktemp("tiny-draft") / "hf"
+    write_tiny_hf(path, seed=1, num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                  intermediate_size=80, eos_token_id=None)  # fmt: skip
+    return path
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_model, tmp_path):
+    path = tmp_path / "hf"
+    write_tiny_hf(path, vocab_size=TINY_VOCAB + 32, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"speculative_config\.model.*vocabulary"):
+        LLM(tiny_model, warm_up=False, speculative_config=_draft(path), **BASE)
+    with pytest.raises(ValueError, match=r"speculative_config\.model.*cannot load"):
+        LLM(tiny_model, warm_up=False, speculative_config=_draft(tmp_path / "none"), **BASE)
+
+
+# small KV (preemption), 24-token steps (chunked prefill), prefix caching on; one bucket
+DRAFT_CONFIG = BASE | {"max_model_len": 128, "num_pages": 34, "max_num_batched_tokens": 24,
+                       "token_buckets": (24,), "seq_buckets": (8,), "context_buckets": (128,),
+                       "enable_prefix_caching": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def draft_runs(tiny_model, tiny_written, small_draft):
+    """One greedy mixed batch without speculation, with the target as its own draft (warmed
+    up, compilations counted) and with a smaller draft."""
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(3, TINY_VOCAB, int(n))] for n in (50, 9, 30, 61)]
+    prompts.insert(2, prompts[0])  # a prefix-cache hit
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(tiny_model, warm_up=False, **DRAFT_CONFIG)
+    want = plain.generate(prompts, greedy, use_tqdm=False)
+    stop = want[1].outputs[0].text.split()[6]  # a word it generates: the stop string
+    params = [greedy, dataclasses.replace(greedy, stop=[stop]), greedy, greedy, greedy]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    assert want[1].outputs[0].finish_reason == "stop"
+    runs = {"plain": (want, plain.engine)}
+    self_draft = LLM(tiny_model, speculative_config=_draft(tiny_written[0]), **DRAFT_CONFIG)
+    compiles = record_compilations()
+    warm = compile_count()
+    runs["self"] = (self_draft.generate(prompts, params, use_tqdm=False), self_draft.engine)
+    runs["compiles"] = (compile_count() - warm, list(compiles))
+    small = LLM(tiny_model, warm_up=False, speculative_config=_draft(small_draft, 4),
+                **DRAFT_CONFIG)  # fmt: skip
+    runs["small"] = (small.generate(prompts, params, use_tqdm=False), small.engine)
+    return runs
+
+
+@pytest.mark.parametrize("draft", ["self", "small"])
+def test_draft_model_greedy_outputs_equal_without(draft_runs, draft):
+    want, plain = draft_runs["plain"]
+    got, engine = draft_runs[draft]
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert (g.outputs[0].text, g.outputs[0].finish_reason) == (
+            w.outputs[0].text,
+            w.outputs[0].finish_reason,
+        )
+    assert engine.stats.preemptions > 0 and engine.stats.prefix_cache_hits > 0
+    spec = engine.speculator
+    assert spec.num_drafted > 0
+    if draft == "self":  # the target proposes what it then samples: all accepted
+        assert spec.num_accepted == spec.num_drafted
+        assert spec.accepted_per_position == spec.drafted_per_position
+        assert engine.stats.steps < plain.stats.steps
+
+
+def test_no_compilation_after_warm_up_with_a_draft_model(draft_runs):
+    assert draft_runs["compiles"] == (0, [])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_draft_model_seeded_sampling_equals_without(tiny_model, small_draft, async_scheduling):
+    """Seeded outputs equal; with the async scheduler, steps overlap while more than 2 rows
+    run (the draft still computes their tokens) and speculate once fewer do."""
+    prompts = _repetitive_prompts(4, seed=3)
+    params = [
+        SamplingParams(temperature=0.7, seed=3, max_tokens=16, logprobs=1),
+        SamplingParams(temperature=1.0, top_k=20, seed=5, n=2, max_tokens=16),
+    ] * 2
+    config = DRAFT_CONFIG  # the steps draft_runs compiled
+    want = LLM(tiny_model, warm_up=False, **config).generate(prompts, params, use_tqdm=False)
+    spec = _draft(small_draft, 4) | {"disable_by_batch_size": 2 if async_scheduling else 32}
+    llm = LLM(
+        tiny_model,
+        warm_up=False,
+        speculative_config=spec,
+        async_scheduling=async_scheduling,
+        **config,
+    )
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        if w.outputs[0].logprobs is not None:
+            for a, b in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
+                assert a.keys() == b.keys()
+    assert llm.engine.speculator.num_drafted > 0
