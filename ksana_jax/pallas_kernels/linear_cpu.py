@@ -1,0 +1,74 @@
+"""Small-batch linear layers for CPUs: y f32[R, O] = x f32[R, I] . w[O, I]^T as a C++ XLA
+FFI custom call, linear_cpu.cc, for float32, bfloat16, int8 and int4 weights (quant.py's
+Int8Matrix / Int4Matrix, read as their packed bytes: no dequantized copy).
+
+At decode's few rows a product is bound by the weight bytes, and XLA:CPU streams them far
+below the machine's bandwidth; the kernel has every core stream its own weight rows once,
+dequantized in registers, with all R rows of x in a register tile (benchmarks/linear_cpu.py
+measures it against XLA's dot). `models.layers.linear` takes this path on CPU for
+R <= MAX_ROWS; the jnp product (dequantize, then dot) stays the reference and the path
+everywhere else.
+
+Compiled at first use (cpu_build.py: the system C++ compiler, once per machine);
+`available()` says whether that worked.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from ksana_jax import quant
+from ksana_jax.pallas_kernels import cpu_build
+
+SOURCE = Path(__file__).with_suffix(".cc")
+TARGET = "ksana_linear_cpu"
+_SYMBOL = "KsanaLinearCpu"
+MAX_ROWS = 16  # rows up to which layers.linear uses the kernel (crossover with XLA's dot)
+_WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel builds and loads on this machine."""
+    return cpu_build.available(SOURCE, _SYMBOL, TARGET)
+
+
+def supports(w: jax.Array | quant.QuantizedMatrix) -> bool:
+    """Whether the kernel takes weight `w` (a matrix [O, I] in float32 / bfloat16, or an int8
+    / int4 quantized one; int8 groups must be whole vectors of 16)."""
+    if len(w.shape) != 2:
+        return False
+    if isinstance(w, quant.Int8Matrix):
+        return w.scales.shape[-1] == 1 or w.group_size % 16 == 0
+    return quant.is_quantized(w) or w.dtype in _WEIGHT_DTYPES
+
+
+def _operands(w: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, jax.Array, jax.Array]:
+    none = jnp.zeros((0, 0), jnp.float32)
+    if isinstance(w, quant.Int8Matrix):
+        return w.values, w.scales, none
+    if isinstance(w, quant.Int4Matrix):
+        return w.packed, w.scales, w.mins
+    return w, none, none
+
+
+def _scale_dtype(a: jax.Array) -> jax.Array:
+    return a if a.dtype in (jnp.float32, jnp.float16) else a.astype(jnp.float32)
+
+
+def linear(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> jax.Array:
+    """x [R, I] times w [O, I] transposed -> f32[R, O]: `models.layers.linear` without a bias
+    (same result within float32 rounding: x is used in float32, not rounded to w's dtype).
+    Raises ValueError for a weight the kernel does not take (`supports`)."""
+    if not supports(w):
+        raise ValueError(f"the cpu linear kernel does not take a weight {w!r:.200}")
+    if x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x must be [R, {w.shape[1]}], got {x.shape}")
+    cpu_build.register(SOURCE, _SYMBOL, TARGET)
+    values, scales, mins = _operands(w)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    return call(x.astype(jnp.float32), values, _scale_dtype(scales), _scale_dtype(mins))
