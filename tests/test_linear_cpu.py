@@ -32,7 +32,12 @@ def weight(rng: np.random.Generator, fmt: str, out: int, inp: int):
 
 
 def reference(x: jax.Array, w) -> jax.Array:
-    w = quant.dequantize(w, "float32") if quant.is_quantized(w) else w.astype(jnp.float32)
+    """Dequantize, then a float32 dot; bfloat16 weights multiply x rounded to bfloat16."""
+    if quant.is_quantized(w):
+        w = quant.dequantize(w, "float32")
+    elif w.dtype == jnp.bfloat16:
+        x = x.astype(jnp.bfloat16).astype(jnp.float32)
+    w = w.astype(jnp.float32)
     return jnp.dot(x, w.T, precision=jax.lax.Precision.HIGHEST)
 
 

@@ -25,6 +25,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif  // vdpbf16ps needs -march with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids)
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -56,10 +60,33 @@ inline V load(const void* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
 
+// 16 bytes to 16 floats. GCC 12 widens byte vectors element by element, so by intrinsics.
+template <bool kSigned>
+inline vf bytes_to_float(const void* p) {
+  vf f;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  const __m512i i = kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  const __m512 v = _mm512_cvtepi32_ps(i);
+  std::memcpy(&f, &v, sizeof(vf));
+#else
+  for (int i = 0; i < kLanes; ++i)
+    f[i] = kSigned ? static_cast<const int8_t*>(p)[i] : static_cast<const uint8_t*>(p)[i];
+#endif
+  return f;
+}
+
 inline float bits_to_f32(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA's convert
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
 inline float f16_to_f32(uint16_t h) {
@@ -76,6 +103,8 @@ enum class Kind { kF32, kBF16, kInt8, kInt4 };
 struct Problem {
   const float* x;  // [R, x_stride]: x, or a copy padded with zeros to a multiple of kLanes
   int64_t x_stride;
+  const uint16_t* x_bf16;  // [R, x_bf16_stride]: x in bfloat16 (bfloat16 weights, kDotBF16)
+  int64_t x_bf16_stride;
   int64_t rows, in, out;  // R, I, O
   Kind kind;
   const char* w;
@@ -113,14 +142,19 @@ void dequantize_row(const Problem& pb, int64_t o, int64_t k0, int64_t n, int64_t
     }
     case Kind::kInt8: {
       const int8_t* src = reinterpret_cast<const int8_t*>(pb.w) + o * pb.in + k0;
-      const int64_t group = pb.in / pb.groups;  // a multiple of kLanes when groups > 1
-      int64_t k = 0;
-      for (; k < vec_end; k += kLanes) {
-        const float s = scale_at(pb.scales, pb.scales_f16, o * pb.groups + (k0 + k) / group);
-        store(dst + k, __builtin_convertvector(load<vi8>(src + k), vf) * s);
+      // Groups are a multiple of kLanes columns (or the whole row), so is k0: a vector never
+      // straddles two scales.
+      const int64_t group = pb.in / pb.groups;
+      int64_t g = k0 / group, next = (g + 1) * group - k0;
+      float s = scale_at(pb.scales, pb.scales_f16, o * pb.groups + g);
+      for (int64_t k = 0; k < n; k += k < vec_end ? kLanes : 1) {
+        if (k == next) {
+          s = scale_at(pb.scales, pb.scales_f16, o * pb.groups + ++g);
+          next += group;
+        }
+        if (k < vec_end) store(dst + k, bytes_to_float<true>(src + k) * s);
+        else dst[k] = src[k] * s;
       }
-      for (; k < n; ++k)
-        dst[k] = src[k] * scale_at(pb.scales, pb.scales_f16, o * pb.groups + (k0 + k) / group);
       break;
     }
     case Kind::kInt4: {  // n is a multiple of 32 (I is, and so is kChunk)
@@ -129,9 +163,13 @@ void dequantize_row(const Problem& pb, int64_t o, int64_t k0, int64_t n, int64_t
         const int64_t g = o * pb.groups + (k0 + k) / 32;
         const float s = scale_at(pb.scales, pb.scales_f16, g);
         const float m = scale_at(pb.mins, pb.mins_f16, g);
+        alignas(16) uint8_t q[32];  // the group's 4-bit values in order (GGUF's nibbles)
         const vu8 bytes = load<vu8>(src + k / 2);
-        store(dst + k, __builtin_convertvector(bytes & 0xF, vf) * s + m);
-        store(dst + k + 16, __builtin_convertvector(bytes >> 4, vf) * s + m);
+        const vu8 lo = bytes & 0xF, hi = bytes >> 4;
+        std::memcpy(q, &lo, 16);
+        std::memcpy(q + 16, &hi, 16);
+        store(dst + k, bytes_to_float<false>(q) * s + m);
+        store(dst + k + 16, bytes_to_float<false>(q + 16) * s + m);
       }
       break;
     }
@@ -167,6 +205,50 @@ void tile_dots(const Problem& pb, int64_t k0, int64_t n_pad, const float* w, flo
     tile_dot<RT>(pb.x + r * pb.x_stride + k0, pb.x_stride, w, n_pad, acc + r * kOutBlock);
 }
 
+
+#if defined(__AVX512BF16__)
+constexpr bool kDotBF16 = true;
+
+// bfloat16 weights with AVX512-BF16: x in bfloat16 too, and vdpbf16ps multiplies 32 pairs
+// of them straight from the weight rows into float32 sums (no dequantization at all).
+template <int RT>
+void tile_dot_bf16(const Problem& pb, int64_t r0, const uint16_t* const* w, float* acc) {
+  __m512 sums[RT][kOutBlock];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
+  const int64_t full = pb.in - pb.in % 32;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (pb.in % 32)) - 1);
+  for (int64_t k = 0; k < pb.in; k += 32) {
+    __m512i wv[kOutBlock];
+    for (int j = 0; j < kOutBlock; ++j)
+      wv[j] = k < full ? _mm512_loadu_si512(w[j] + k) : _mm512_maskz_loadu_epi16(tail, w[j] + k);
+    for (int r = 0; r < RT; ++r) {
+      const __m512i xv = _mm512_loadu_si512(pb.x_bf16 + (r0 + r) * pb.x_bf16_stride + k);
+      for (int j = 0; j < kOutBlock; ++j)
+        sums[r][j] = _mm512_dpbf16_ps(sums[r][j], (__m512bh)xv, (__m512bh)wv[j]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) acc[(r0 + r) * kOutBlock + j] = _mm512_reduce_add_ps(sums[r][j]);
+}
+
+void block_bf16(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  const uint16_t* w[kOutBlock];
+  for (int j = 0; j < kOutBlock; ++j)  // rows past the block repeat its first (unused sums)
+    w[j] = reinterpret_cast<const uint16_t*>(pb.w) + (o + (j < block ? j : 0)) * pb.in;
+  int64_t r = 0;
+  for (; r + 4 <= pb.rows; r += 4) tile_dot_bf16<4>(pb, r, w, acc);
+  switch (pb.rows - r) {
+    case 3: tile_dot_bf16<3>(pb, r, w, acc); break;
+    case 2: tile_dot_bf16<2>(pb, r, w, acc); break;
+    case 1: tile_dot_bf16<1>(pb, r, w, acc); break;
+  }
+}
+#else
+constexpr bool kDotBF16 = false;
+void block_bf16(const Problem&, int64_t, int64_t, float*) {}
+#endif
+
 // One work item: weight rows [o_begin, o_end).
 void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
   alignas(64) static thread_local float w[kOutBlock * kChunk];
@@ -176,6 +258,12 @@ void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
   for (int64_t o = o_begin; o < o_end; o += kOutBlock) {
     const int64_t block = std::min<int64_t>(kOutBlock, o_end - o);
     std::fill(acc.begin(), acc.end(), 0.0f);
+    if (kDotBF16 && pb.kind == Kind::kBF16) {
+      block_bf16(pb, o, block, acc.data());
+      for (int64_t r = 0; r < pb.rows; ++r)
+        for (int64_t j = 0; j < block; ++j) pb.y[r * pb.out + o + j] = acc[r * kOutBlock + j];
+      continue;
+    }
     for (int64_t k0 = 0; k0 < pb.in; k0 += kChunk) {
       const int64_t n = std::min<int64_t>(kChunk, pb.in - k0);
       const int64_t n_pad = (n + kLanes - 1) / kLanes * kLanes;
@@ -273,15 +361,31 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
         "int8: scales [O, G] float32/16, G = 1 or I / G a multiple of 16");
   pb.y = y->typed_data();
   if (pb.rows == 0 || pb.out == 0) return ffi::Error::Success();
+  // x as the tiles read it: bfloat16 weights multiply x rounded to bfloat16 (XLA's dot
+  // rounds it the same way), in bfloat16 for vdpbf16ps; float x is padded with zeros to
+  // whole vectors when I is not a multiple of kLanes.
+  const bool round_x = pb.kind == Kind::kBF16;
   std::vector<float> padded;
-  if (pb.in % kLanes == 0) {
+  std::vector<uint16_t> x_bf16;
+  if (round_x && kDotBF16) {
+    pb.x_bf16_stride = (pb.in + 31) / 32 * 32;
+    x_bf16.assign(pb.rows * pb.x_bf16_stride, 0);
+    for (int64_t r = 0; r < pb.rows; ++r)
+      for (int64_t k = 0; k < pb.in; ++k)
+        x_bf16[r * pb.x_bf16_stride + k] = f32_to_bf16(x.typed_data()[r * pb.in + k]);
+    pb.x_bf16 = x_bf16.data();
+  } else if (pb.in % kLanes == 0 && !round_x) {
     pb.x = x.typed_data();
     pb.x_stride = pb.in;
-  } else {  // a zero tail, so the register tiles read whole vectors
+  } else {
     pb.x_stride = (pb.in + kLanes - 1) / kLanes * kLanes;
     padded.assign(pb.rows * pb.x_stride, 0.0f);
     for (int64_t r = 0; r < pb.rows; ++r)
-      std::memcpy(&padded[r * pb.x_stride], x.typed_data() + r * pb.in, 4 * pb.in);
+      for (int64_t k = 0; k < pb.in; ++k) {
+        const float v = x.typed_data()[r * pb.in + k];
+        padded[r * pb.x_stride + k] =
+            round_x ? bits_to_f32(static_cast<uint32_t>(f32_to_bf16(v)) << 16) : v;
+      }
     pb.x = padded.data();
   }
   run_items(pool, pb);

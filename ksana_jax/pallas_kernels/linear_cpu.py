@@ -16,6 +16,7 @@ Compiled at first use (cpu_build.py: the system C++ compiler, once per machine);
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import jax
@@ -27,8 +28,12 @@ from ksana_jax.pallas_kernels import cpu_build
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET = "ksana_linear_cpu"
 _SYMBOL = "KsanaLinearCpu"
-MAX_ROWS = 16  # rows up to which layers.linear uses the kernel (crossover with XLA's dot)
+# Rows up to which `layers.linear` takes the kernel, by weight format: beyond them XLA's
+# dot is as fast or faster (benchmarks/linear_cpu.py, this repo's 2-core AVX-512 machine).
+MAX_ROWS = {"float32": 4, "bfloat16": 4, "int8": 16, "int4": 16}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
+# KSANA_JAX_CPU_LINEAR=0 keeps XLA's dot everywhere (a before/after comparison in one run).
+ENABLED = os.environ.get("KSANA_JAX_CPU_LINEAR", "1") != "0"
 
 
 @functools.cache
@@ -47,6 +52,20 @@ def supports(w: jax.Array | quant.QuantizedMatrix) -> bool:
     return quant.is_quantized(w) or w.dtype in _WEIGHT_DTYPES
 
 
+def takes(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> bool:
+    """Whether `layers.linear` runs x [R, I] . w^T through the kernel, decided at trace time:
+    on CPU, outside a mesh of several devices (XLA cannot partition a custom call; the
+    tensor-parallel split keeps the jnp product), for a weight it takes and R up to its
+    format's MAX_ROWS, when the kernel builds here."""
+    if not ENABLED or x.ndim != 2 or jax.default_backend() != "cpu" or not supports(w):
+        return False
+    fmt = w.format if quant.is_quantized(w) else jnp.dtype(w.dtype).name
+    if x.shape[0] > MAX_ROWS[fmt]:
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return (mesh.empty or mesh.size == 1) and available()
+
+
 def _operands(w: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, jax.Array, jax.Array]:
     none = jnp.zeros((0, 0), jnp.float32)
     if isinstance(w, quant.Int8Matrix):
@@ -61,8 +80,9 @@ def _scale_dtype(a: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> jax.Array:
-    """x [R, I] times w [O, I] transposed -> f32[R, O]: `models.layers.linear` without a bias
-    (same result within float32 rounding: x is used in float32, not rounded to w's dtype).
+    """x [R, I] times w [O, I] transposed -> f32[R, O]: `models.layers.linear` without a bias,
+    within float32 rounding (bfloat16 weights multiply x rounded to bfloat16, as XLA's dot
+    does; the other formats multiply x as it is, in float32).
     Raises ValueError for a weight the kernel does not take (`supports`)."""
     if not supports(w):
         raise ValueError(f"the cpu linear kernel does not take a weight {w!r:.200}")
