@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ksana_jax import quant
+from ksana_jax.models import layers
 from ksana_jax.pallas_kernels import linear_cpu
 
 pytestmark = pytest.mark.skipif(not linear_cpu.available(), reason="no C++ compiler")
@@ -66,3 +67,19 @@ def test_refuses_what_it_does_not_take():
         linear_cpu.linear(jnp.zeros((1, 8)), jnp.zeros((4, 8), jnp.float16))
     with pytest.raises(ValueError, match="x must be"):
         linear_cpu.linear(jnp.zeros((1, 9)), weight(rng, "bfloat16", 4, 8))
+
+
+def test_layers_linear_takes_the_kernel_at_few_rows_only():
+    """`layers.linear` lowers to the custom call for bfloat16 / quantized weights at decode's
+    few rows (with the bias added after) and keeps XLA's dot beyond each format's MAX_ROWS;
+    both give the reference's values."""
+    rng = np.random.default_rng(2)
+    bias = jnp.asarray(rng.standard_normal(33), jnp.float32)
+    for fmt in ("bfloat16", "int8", "int4"):
+        w = weight(rng, fmt, 33, 96)
+        for rows in (1, linear_cpu.MAX_ROWS[fmt], linear_cpu.MAX_ROWS[fmt] + 1):
+            x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
+            hlo = jax.jit(layers.linear).lower(x, w, bias).as_text()
+            assert (linear_cpu.TARGET in hlo) == (rows <= linear_cpu.MAX_ROWS[fmt]), (fmt, rows)
+            got = jax.jit(layers.linear)(x, w, bias)
+            np.testing.assert_allclose(got, reference(x, w) + bias, atol=2e-5 * np.sqrt(96))

@@ -89,6 +89,14 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA's conve
   return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
+inline vf round_to_bf16(vf v) {  // to nearest even, kept in float32
+  vu32 bits;
+  std::memcpy(&bits, &v, sizeof(vf));
+  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
+  std::memcpy(&v, &bits, sizeof(vf));
+  return v;
+}
+
 inline float f16_to_f32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
@@ -111,6 +119,7 @@ struct Problem {
   const void* scales;  // [O, G] float32 or float16 (int8, int4)
   const void* mins;    // [O, I/32] (int4)
   bool scales_f16, mins_f16;
+  bool bf16;  // the product is bfloat16's: x and dequantized weights rounded to bfloat16
   int64_t groups;  // G
   float* y;        // [R, O]
 };
@@ -154,6 +163,8 @@ void dequantize_row(const Problem& pb, int64_t o, int64_t k0, int64_t n, int64_t
         }
         if (k < vec_end) store(dst + k, bytes_to_float<true>(src + k) * s);
         else dst[k] = src[k] * s;
+        if (pb.bf16 && k < vec_end) store(dst + k, round_to_bf16(load<vf>(dst + k)));
+        else if (pb.bf16) dst[k] = bits_to_f32(static_cast<uint32_t>(f32_to_bf16(dst[k])) << 16);
       }
       break;
     }
@@ -168,8 +179,10 @@ void dequantize_row(const Problem& pb, int64_t o, int64_t k0, int64_t n, int64_t
         const vu8 lo = bytes & 0xF, hi = bytes >> 4;
         std::memcpy(q, &lo, 16);
         std::memcpy(q + 16, &hi, 16);
-        store(dst + k, bytes_to_float<false>(q) * s + m);
-        store(dst + k + 16, bytes_to_float<false>(q + 16) * s + m);
+        vf lo_f = bytes_to_float<false>(q) * s + m, hi_f = bytes_to_float<false>(q + 16) * s + m;
+        if (pb.bf16) lo_f = round_to_bf16(lo_f), hi_f = round_to_bf16(hi_f);
+        store(dst + k, lo_f);
+        store(dst + k + 16, hi_f);
       }
       break;
     }
@@ -249,6 +262,50 @@ constexpr bool kDotBF16 = false;
 void block_bf16(const Problem&, int64_t, int64_t, float*) {}
 #endif
 
+#if defined(__AVX512F__)
+constexpr bool kDirectF32 = true;
+
+// float32 weights: multiplied straight from the weight rows (a copy to the scratch would
+// cost more than the product at a few rows).
+template <int RT>
+void tile_dot_f32(const Problem& pb, int64_t r0, const float* const* w, float* acc) {
+  __m512 sums[RT][kOutBlock];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
+  const int64_t full = pb.in - pb.in % kLanes;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (pb.in % kLanes)) - 1);
+  for (int64_t k = 0; k < pb.in; k += kLanes) {
+    __m512 wv[kOutBlock];
+    for (int j = 0; j < kOutBlock; ++j)
+      wv[j] = k < full ? _mm512_loadu_ps(w[j] + k) : _mm512_maskz_loadu_ps(tail, w[j] + k);
+    for (int r = 0; r < RT; ++r) {
+      const __m512 xv = _mm512_loadu_ps(pb.x + (r0 + r) * pb.x_stride + k);
+      for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_fmadd_ps(xv, wv[j], sums[r][j]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j)
+      acc[(r0 + r) * kOutBlock + j] = _mm512_reduce_add_ps(sums[r][j]);
+}
+
+void block_f32(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  const float* w[kOutBlock];
+  for (int j = 0; j < kOutBlock; ++j)  // rows past the block repeat its first (unused sums)
+    w[j] = reinterpret_cast<const float*>(pb.w) + (o + (j < block ? j : 0)) * pb.in;
+  int64_t r = 0;
+  for (; r + 4 <= pb.rows; r += 4) tile_dot_f32<4>(pb, r, w, acc);
+  switch (pb.rows - r) {
+    case 3: tile_dot_f32<3>(pb, r, w, acc); break;
+    case 2: tile_dot_f32<2>(pb, r, w, acc); break;
+    case 1: tile_dot_f32<1>(pb, r, w, acc); break;
+  }
+}
+#else
+constexpr bool kDirectF32 = false;
+void block_f32(const Problem&, int64_t, int64_t, float*) {}
+#endif
+
+
 // One work item: weight rows [o_begin, o_end).
 void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
   alignas(64) static thread_local float w[kOutBlock * kChunk];
@@ -258,8 +315,10 @@ void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
   for (int64_t o = o_begin; o < o_end; o += kOutBlock) {
     const int64_t block = std::min<int64_t>(kOutBlock, o_end - o);
     std::fill(acc.begin(), acc.end(), 0.0f);
-    if (kDotBF16 && pb.kind == Kind::kBF16) {
-      block_bf16(pb, o, block, acc.data());
+    const bool bf16 = kDotBF16 && pb.kind == Kind::kBF16;
+    if (bf16 || (kDirectF32 && pb.kind == Kind::kF32)) {
+      if (bf16) block_bf16(pb, o, block, acc.data());
+      else block_f32(pb, o, block, acc.data());
       for (int64_t r = 0; r < pb.rows; ++r)
         for (int64_t j = 0; j < block; ++j) pb.y[r * pb.out + o + j] = acc[r * kOutBlock + j];
       continue;
@@ -321,7 +380,8 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb) {
 bool is_scale_type(ffi::DataType t) { return t == ffi::F32 || t == ffi::F16; }
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                  ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y) {
+                  ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y,
+                  bool bf16) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   if (x_dims.size() != 2 || w_dims.size() != 2)
@@ -359,15 +419,18 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
        (pb.groups > 1 && (pb.in / pb.groups) % kLanes)))
     return ffi::Error::InvalidArgument(
         "int8: scales [O, G] float32/16, G = 1 or I / G a multiple of 16");
+  pb.bf16 = bf16 || pb.kind == Kind::kBF16;
+  if (pb.bf16 && pb.kind == Kind::kF32)
+    return ffi::Error::InvalidArgument("bf16 is for bfloat16 or quantized weights");
   pb.y = y->typed_data();
   if (pb.rows == 0 || pb.out == 0) return ffi::Error::Success();
-  // x as the tiles read it: bfloat16 weights multiply x rounded to bfloat16 (XLA's dot
+  // x as the tiles read it: a bfloat16 product multiplies x rounded to bfloat16 (XLA's dot
   // rounds it the same way), in bfloat16 for vdpbf16ps; float x is padded with zeros to
   // whole vectors when I is not a multiple of kLanes.
-  const bool round_x = pb.kind == Kind::kBF16;
+  const bool round_x = pb.bf16;
   std::vector<float> padded;
   std::vector<uint16_t> x_bf16;
-  if (round_x && kDotBF16) {
+  if (pb.kind == Kind::kBF16 && kDotBF16) {
     pb.x_bf16_stride = (pb.in + 31) / 32 * 32;
     x_bf16.assign(pb.rows * pb.x_bf16_stride, 0);
     for (int64_t r = 0; r < pb.rows; ++r)
@@ -402,4 +465,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaLinearCpu, Linear,
                                   .Arg<ffi::AnyBuffer>()         // scales [O, G] or [0, 0]
                                   .Arg<ffi::AnyBuffer>()         // mins [O, I/32] or [0, 0]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [R, O]
+                                  .Attr<bool>("bf16")  // a bfloat16 product (see Problem)
 );

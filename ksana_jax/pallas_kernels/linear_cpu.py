@@ -29,8 +29,9 @@ SOURCE = Path(__file__).with_suffix(".cc")
 TARGET = "ksana_linear_cpu"
 _SYMBOL = "KsanaLinearCpu"
 # Rows up to which `layers.linear` takes the kernel, by weight format: beyond them XLA's
-# dot is as fast or faster (benchmarks/linear_cpu.py, this repo's 2-core AVX-512 machine).
-MAX_ROWS = {"float32": 4, "bfloat16": 4, "int8": 16, "int4": 16}
+# dot is as fast or faster (benchmarks/linear_cpu.py on this repo's 2-core AVX-512 machine;
+# float32 weights: XLA's matrix-vector product is faster at every row count measured).
+MAX_ROWS = {"float32": 0, "bfloat16": 4, "int8": 8, "int4": 16}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 # KSANA_JAX_CPU_LINEAR=0 keeps XLA's dot everywhere (a before/after comparison in one run).
 ENABLED = os.environ.get("KSANA_JAX_CPU_LINEAR", "1") != "0"
@@ -47,9 +48,11 @@ def supports(w: jax.Array | quant.QuantizedMatrix) -> bool:
     / int4 quantized one; int8 groups must be whole vectors of 16)."""
     if len(w.shape) != 2:
         return False
+    if jnp.dtype(w.dtype) not in _WEIGHT_DTYPES:  # a quantized matrix's: its product's dtype
+        return False
     if isinstance(w, quant.Int8Matrix):
         return w.scales.shape[-1] == 1 or w.group_size % 16 == 0
-    return quant.is_quantized(w) or w.dtype in _WEIGHT_DTYPES
+    return True
 
 
 def takes(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> bool:
@@ -81,8 +84,9 @@ def _scale_dtype(a: jax.Array) -> jax.Array:
 
 def linear(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> jax.Array:
     """x [R, I] times w [O, I] transposed -> f32[R, O]: `models.layers.linear` without a bias,
-    within float32 rounding (bfloat16 weights multiply x rounded to bfloat16, as XLA's dot
-    does; the other formats multiply x as it is, in float32).
+    within float32 rounding: as there, the product is in w's dtype (a quantized matrix's
+    `dtype`): for bfloat16, x and the dequantized weights are rounded to bfloat16 and their
+    products summed in float32.
     Raises ValueError for a weight the kernel does not take (`supports`)."""
     if not supports(w):
         raise ValueError(f"the cpu linear kernel does not take a weight {w!r:.200}")
@@ -91,4 +95,5 @@ def linear(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> jax.Array:
     cpu_build.register(SOURCE, _SYMBOL, TARGET)
     values, scales, mins = _operands(w)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
-    return call(x.astype(jnp.float32), values, _scale_dtype(scales), _scale_dtype(mins))
+    bf16 = jnp.dtype(w.dtype) == jnp.bfloat16
+    return call(x.astype(jnp.float32), values, _scale_dtype(scales), _scale_dtype(mins), bf16=bf16)
