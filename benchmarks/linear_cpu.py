@@ -9,7 +9,9 @@ do; the best of several calls is reported (the machine is shared and loaded: a m
 measures the neighbours). Read ratios, not absolute numbers, and repeat.
 
     python benchmarks/linear_cpu.py [--dtypes bfloat16,int8,int4,float32] [--rows 1,2,4,8,16]
-        [--shapes 576x576,1536x576,576x1536,4608x576,49152x576] [--repeats 7]
+        [--shapes 576x576,1536x576,576x1536,4608x576,49152x576,smollm2] [--repeats 7]
+
+`smollm2` is one decode step's products in sequence (211 weights, the LM head last).
 """
 
 from __future__ import annotations
@@ -71,12 +73,44 @@ def chain(product):
     def run(x, weights):
         total = jnp.zeros((), jnp.float32)
         for w in weights:
-            y = product(x, w)[: x.shape[0]]  # drops xla_linear's padding row
+            inp = w.shape[1]  # x's columns, repeated to w's input dim
+            xi = jnp.tile(x, (1, -(-inp // x.shape[1])))[:, :inp]
+            y = product(xi, w)[: x.shape[0]]  # drops xla_linear's padding row
             total = total + y[0, 0]
             x = x + total * 0.0  # the next product waits for this one
         return total
 
     return run
+
+
+# SmolLM2-135M's products in one decode step: 30 layers of q, k, v, o, gate, up, down, then
+# the tied LM head.
+SMOLLM2_STEP = [
+    (576, 576),
+    (192, 576),
+    (192, 576),
+    (576, 576),
+    (1536, 576),
+    (1536, 576),
+    (576, 1536),
+] * 30 + [(49152, 576)]
+
+
+def step_table(rng, dtype: str, rows_list, repeats: int, bandwidth: float) -> None:
+    """One decode step's products (SmolLM2) in sequence: kernel vs XLA, ms and GB/s."""
+    weights = tuple(make_weight(rng, dtype, o, i) for o, i in SMOLLM2_STEP)
+    nbytes = sum(quant.nbytes(w) for w in weights)
+    kernel, xla = chain(linear_cpu.linear), chain(xla_linear)
+    for rows in rows_list:
+        x = jnp.asarray(rng.standard_normal((rows, 576)), jnp.float32)
+        t_kernel = time_chain(kernel, x, weights, repeats) * len(weights)
+        t_xla = time_chain(xla, x, weights, repeats) * len(weights)
+        print(
+            f"{dtype:>8} {'smollm2':>11} {rows:>3} {t_kernel * 1e6:>10.0f} "
+            f"{nbytes / t_kernel / 1e9:>6.1f} {100 * nbytes / t_kernel / bandwidth:>4.0f}% "
+            f"{t_xla * 1e6:>9.0f} {t_xla / t_kernel:>10.2f}",
+            flush=True,
+        )
 
 
 def time_chain(fn, x, weights, repeats: int) -> float:
@@ -93,7 +127,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", default="bfloat16,int8,int4,float32")
     p.add_argument("--rows", default="1,2,4,8,16")
-    p.add_argument("--shapes", default="576x576,1536x576,576x1536,4608x576,49152x576")
+    p.add_argument("--shapes", default="576x576,1536x576,576x1536,4608x576,49152x576,smollm2")
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     if not linear_cpu.available():
@@ -108,6 +142,9 @@ def main() -> None:
     kernel, xla = chain(linear_cpu.linear), chain(xla_linear)
     for dtype in args.dtypes.split(","):
         for shape in args.shapes.split(","):
+            if shape == "smollm2":
+                step_table(rng, dtype, map(int, args.rows.split(",")), args.repeats, bandwidth)
+                continue
             out, inp = map(int, shape.split("x"))
             w = make_weight(rng, dtype, out, inp)
             nbytes = quant.nbytes(w)

@@ -9,7 +9,8 @@
 // machine's bandwidth (a library call per product, one thread for a small one).
 //
 // Work items: disjoint ranges of weight rows (output features), spread over XLA's intra-op
-// thread pool, so every core streams its own part of W, each weight byte read once. An item
+// thread pool for a large W (kParallelBytes), so every core streams its own part of W, each
+// weight byte read once. An item
 // walks its rows kOutBlock at a time, and each block kChunk columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
 //            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;
@@ -38,6 +39,11 @@ namespace {
 constexpr int kLanes = 16;     // floats per vector (one AVX-512 register, two AVX2 ones)
 constexpr int kOutBlock = 4;   // weight rows per register tile
 constexpr int kChunk = 512;    // columns dequantized at a time (a multiple of 32)
+// Products of fewer weight bytes run on the caller's thread alone: on this repo's loaded
+// 2-core machine XLA's pool threads started 0.1-10 ms after being scheduled, later than a
+// decode layer's products (10-100 us) had finished, and competed with the next ones
+// (SmolLM2 bfloat16 decode products: 15.8 ms a step on one thread, 20.7 ms with the pool).
+constexpr int64_t kParallelBytes = 4 << 20;
 #if defined(__AVX512F__)
 constexpr int kRowTile = 4;    // x rows per register tile: 16 accumulators of 32 registers
 #else
@@ -114,6 +120,7 @@ struct Problem {
   const uint16_t* x_bf16;  // [R, x_bf16_stride]: x in bfloat16 (bfloat16 weights, kDotBF16)
   int64_t x_bf16_stride;
   int64_t rows, in, out;  // R, I, O
+  int64_t weight_bytes;    // of W (and its scales)
   Kind kind;
   const char* w;
   const void* scales;  // [O, G] float32 or float16 (int8, int4)
@@ -367,7 +374,9 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb) {
     }
     state->active.fetch_sub(1);
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), state->num_items - 1);
+  const int64_t helpers = pb.weight_bytes < kParallelBytes
+                              ? 0
+                              : std::min<int64_t>(pool.num_threads(), state->num_items - 1);
   for (int64_t t = 0; t < helpers; ++t) {
     auto task = worker;  // Schedule takes its task by value (an rvalue)
     pool.Schedule(std::move(task));
@@ -420,6 +429,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     return ffi::Error::InvalidArgument(
         "int8: scales [O, G] float32/16, G = 1 or I / G a multiple of 16");
   pb.bf16 = bf16 || pb.kind == Kind::kBF16;
+  pb.weight_bytes = w.size_bytes() + scales.size_bytes() + mins.size_bytes();
   if (pb.bf16 && pb.kind == Kind::kF32)
     return ffi::Error::InvalidArgument("bf16 is for bfloat16 or quantized weights");
   pb.y = y->typed_data();
