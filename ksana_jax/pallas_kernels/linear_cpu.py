@@ -29,9 +29,11 @@ SOURCE = Path(__file__).with_suffix(".cc")
 TARGET = "ksana_linear_cpu"
 _SYMBOL = "KsanaLinearCpu"
 # Rows up to which `layers.linear` takes the kernel, by weight format: beyond them XLA's
-# dot is as fast or faster (benchmarks/linear_cpu.py on this repo's 2-core AVX-512 machine;
-# float32 weights: XLA's matrix-vector product is faster at every row count measured).
-MAX_ROWS = {"float32": 0, "bfloat16": 4, "int8": 8, "int4": 16}
+# dot was as fast or faster on one SmolLM2 decode step's products (benchmarks/linear_cpu.py
+# --shapes smollm2, this repo's loaded 2-core AVX-512 machine; kernel / XLA time: bfloat16
+# 0.46x at 1 row, 1.2x at 2; int8 0.23x at 1, 0.53x at 8; int4 0.1-0.3x at 1-16 per
+# product). float32: not measured on the model yet, XLA's matrix-vector product stays.
+MAX_ROWS = {"float32": 0, "bfloat16": 1, "int8": 8, "int4": 16}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 # KSANA_JAX_CPU_LINEAR=0 keeps XLA's dot everywhere (a before/after comparison in one run).
 ENABLED = os.environ.get("KSANA_JAX_CPU_LINEAR", "1") != "0"
