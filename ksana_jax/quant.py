@@ -24,9 +24,10 @@ measured as good. The group size is read off the shapes (I / G), so it costs not
 q * scale (+ min) in float32 and rounds once to it. Scales keep their stored dtype (float16
 for GGUF blocks and int4, float32 for per-channel int8), so kept blocks are exact.
 
-The matmul path here is XLA's: dequantize inside the jitted step, then the same dot as a
-float weight (on CPU XLA materialises the dequantized matrix per matmul; a fused C++ CPU
-kernel that reads the packed bytes is a later step of issue 19).
+Products: on CPU at decode's few rows `models.layers.linear` runs the C++ kernel
+pallas_kernels/linear_cpu.cc, which reads the packed bytes and dequantizes in registers.
+Elsewhere (and as the reference) XLA dequantizes inside the jitted step, then runs the same
+dot as for a float weight (on CPU it materialises the dequantized matrix per product).
 """
 
 from __future__ import annotations

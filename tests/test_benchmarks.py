@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import write_tiny_hf
 
@@ -162,3 +163,16 @@ def test_host_overhead_pieces_run_on_the_engine(tmp_path, capsys):
         host_overhead.print_row(*result)
     host_overhead.print_ratios(results)
     assert "async on/off" in capsys.readouterr().out
+
+
+def test_linear_cpu_pieces_run():
+    """benchmarks/linear_cpu.py's chain of products: kernel and XLA agree on small shapes."""
+    bench = load_script("linear_cpu")
+    rng = np.random.default_rng(0)
+    for dtype in ("bfloat16", "int8", "int4", "float32"):
+        weights = tuple(bench.make_weight(rng, dtype, o, i) for o, i in ((40, 64), (24, 96)))
+        x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+        kernel = bench.chain(bench.linear_cpu.linear)(x, weights)
+        xla = bench.chain(bench.xla_linear)(x, weights)
+        np.testing.assert_allclose(kernel, xla, rtol=1e-4, atol=1e-3)
+        assert bench.time_chain(bench.chain(bench.linear_cpu.linear), x, weights, 1) > 0

@@ -17,6 +17,7 @@ import numpy as np
 from ksana_jax import pallas_kernels, quant
 from ksana_jax.config import ModelConfig
 from ksana_jax.kv_cache import KVCache, to_kv_dtype
+from ksana_jax.pallas_kernels import linear_cpu
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.step_inputs import StepInputs
 
@@ -26,13 +27,18 @@ def linear(
 ) -> jax.Array:
     """x f32[..., I] times w [O, I] transposed (+ b [O]) -> f32[..., O], accumulated in float32.
 
-    A quantized w (quant.py) is dequantized to its `dtype` inside the step and multiplied the
-    same way (XLA's path; a fused CPU kernel reading the packed bytes is a later step).
+    On CPU, a few rows (decode) go through pallas_kernels/linear_cpu.py, a C++ kernel that
+    streams w's bytes (quantized ones as they are) on every core; `linear_cpu.takes` decides
+    at trace time. Otherwise a quantized w (quant.py) is dequantized to its `dtype` inside
+    the step and multiplied as a float weight by XLA (the reference path).
 
     Weights are [out, in] (torch's layout): XLA:CPU's bfloat16 products (YNNPACK) stream
     them faster than [in, out] at decode's few rows -- SmolLM2 batch-1 decode 50.5 -> 40.1
     ms, 64 rows 117 -> 105 ms (measured, jax 0.10.2).
     """
+    if linear_cpu.takes(x, w):
+        y = linear_cpu.linear(x, w)
+        return y if b is None else y + b.astype(jnp.float32)
     if x.ndim == 2 and x.shape[0] == 1 and w.dtype != jnp.float32:
         # One row takes XLA:CPU's matrix-vector path, 2x slower than two rows for bfloat16
         # weights (measured: 561 vs 259 us for 576 x 1536); a zero row costs nothing there.

@@ -9,31 +9,22 @@ per KV head, in tiles converted to float32, with an online softmax in float32, o
 intra-op threads. Quantized pages (int8, float8_e4m3fn) are dequantized with their row
 scales as each tile is converted; the step's own k_new / v_new then come as float32.
 
-It is compiled at first use with the system C++ compiler (`$CXX`, default `g++`; flags
-`-O3 -march=native -fopenmp-simd`, no OpenMP runtime) into ~/.cache/ksana-jax/kernels (or
-$KSANA_JAX_KERNEL_CACHE), keyed by the source, the compiler command, jaxlib's version and
-the machine, so a machine builds it once. `available()` says whether that worked; "auto" on
-CPU picks this backend when it does and the xla backend otherwise.
+It is compiled at first use (cpu_build.py: the system C++ compiler, once per machine).
+`available()` says whether that worked; "auto" on CPU picks this backend when it does and
+the xla backend otherwise.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shlex
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
 from ksana_jax.kv_cache import KVCache
+from ksana_jax.pallas_kernels import cpu_build
 from ksana_jax.pallas_kernels.attention_args import validate_attention_args
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
@@ -44,72 +35,14 @@ MAX_HEAD_DIM, MAX_GROUP = 256, 16  # kMaxHeadDim, kMaxGroup in the .cc
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn")  # Kind in the .cc
 
 
-def _cache_dir() -> Path:
-    default = Path.home() / ".cache" / "ksana-jax" / "kernels"
-    return Path(os.environ.get("KSANA_JAX_KERNEL_CACHE", default))
-
-
-def _compile_command(output: Path) -> list[str]:
-    compiler = shlex.split(os.environ.get("CXX", "g++"))
-    flags = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
-    return [*compiler, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(output)]
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (Linux), so a cache shared across machines rebuilds."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-@functools.cache
-def library_path() -> Path:
-    """The compiled kernel library, built now if this machine has not built it yet.
-    Raises RuntimeError with the compiler's output when the build fails."""
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_compile_command(Path("x"))).encode()):
-        key.update(part)
-    key.update(f"{jaxlib.__version__} {platform.machine()} {_cpu_flags()}".encode())
-    path = _cache_dir() / f"ragged_paged_attention_cpu-{key.hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        built = Path(tmp) / path.name
-        try:
-            result = subprocess.run(
-                _compile_command(built), capture_output=True, text=True, check=False
-            )
-        except OSError as e:  # no compiler
-            raise RuntimeError(f"cannot build the cpu attention kernel: {e}") from None
-        if result.returncode:
-            raise RuntimeError(
-                f"cannot build the cpu attention kernel ({shlex.join(result.args)}):\n"
-                f"{result.stderr[-4000:]}"
-            )
-        os.replace(built, path)  # atomic: concurrent builders each publish a whole file
-    return path
-
-
-@functools.cache
 def _register() -> None:
-    library = ctypes.cdll.LoadLibrary(str(library_path()))
-    handler = jax.ffi.pycapsule(getattr(library, _SYMBOL))
-    jax.ffi.register_ffi_target(TARGET, handler, platform="cpu")
+    cpu_build.register(SOURCE, _SYMBOL, TARGET)
 
 
 @functools.cache
 def available() -> bool:
     """Whether the kernel builds and loads on this machine."""
-    try:
-        _register()
-    except (RuntimeError, OSError):
-        return False
-    return True
+    return cpu_build.available(SOURCE, _SYMBOL, TARGET)
 
 
 def check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:

@@ -1,0 +1,168 @@
+"""The CPU linear kernel (pallas_kernels/linear_cpu.cc) against XLA's dot, by weight dtype,
+shape [O, I] and rows R: microseconds a product, weight bytes streamed per second, the
+share of the all-core read bandwidth measured in the same run, and XLA's time over the
+kernel's (the jnp product `models.layers.linear` used before: dequantize, then dot).
+
+Each timed call runs a chain of products over distinct weight copies (>= 96 MB in all, more
+than the L3), each product's input depending on the previous output, as a model's layers
+do; the best of several calls is reported (the machine is shared and loaded: a median
+measures the neighbours). Read ratios, not absolute numbers, and repeat.
+
+    python benchmarks/linear_cpu.py [--dtypes bfloat16,int8,int4,float32] [--rows 1,2,4,8,16]
+        [--shapes 576x576,1536x576,576x1536,4608x576,49152x576,smollm2] [--repeats 7]
+
+`smollm2` is one decode step's products in sequence (211 weights, the LM head last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ksana_jax import quant
+from ksana_jax.pallas_kernels import linear_cpu
+
+
+def all_core_read_bandwidth(threads: int = 0) -> float:
+    """Bytes/s of large sequential reads by one thread per core at once (numpy sums of
+    512 MiB each, which release the GIL): the decode floor's bandwidth."""
+    threads = threads or os.cpu_count() or 1
+    arrays = [np.ones(1 << 27, np.float32) for _ in range(threads)]
+    best = 0.0
+    for _ in range(5):
+        workers = [threading.Thread(target=a.sum) for a in arrays]
+        start = time.perf_counter()
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        best = max(best, sum(a.nbytes for a in arrays) / (time.perf_counter() - start))
+    return best
+
+
+def make_weight(rng: np.random.Generator, dtype: str, out: int, inp: int):
+    if dtype == "int8":
+        values = rng.integers(-127, 128, (out, inp), dtype=np.int8)
+        return quant.Int8Matrix(jnp.asarray(values), jnp.asarray(rng.random((out, 1), np.float32)))
+    if dtype == "int4":
+        packed = rng.integers(0, 256, (out, inp // 2), dtype=np.uint8)
+        scales = jnp.asarray(rng.random((out, inp // 32)), jnp.float16)
+        return quant.Int4Matrix(jnp.asarray(packed), scales, -scales)
+    return jnp.asarray(rng.standard_normal((out, inp), np.float32), dtype)
+
+
+def xla_linear(x, w):
+    """The jnp product layers.linear ran before the kernel (with its one-row padding)."""
+    if quant.is_quantized(w):
+        w = quant.dequantize(quant.after(w, x))
+    if x.shape[0] == 1 and w.dtype != jnp.float32:
+        x = jnp.pad(x, ((0, 1), (0, 0)))
+    contract = (((1,), (1,)), ((), ()))
+    y = jax.lax.dot_general(x.astype(w.dtype), w, contract, preferred_element_type=jnp.float32)
+    return y
+
+
+def chain(product):
+    @jax.jit
+    def run(x, weights):
+        total = jnp.zeros((), jnp.float32)
+        for w in weights:
+            inp = w.shape[1]  # x's columns, repeated to w's input dim
+            xi = jnp.tile(x, (1, -(-inp // x.shape[1])))[:, :inp]
+            y = product(xi, w)[: x.shape[0]]  # drops xla_linear's padding row
+            total = total + y[0, 0]
+            x = x + total * 0.0  # the next product waits for this one
+        return total
+
+    return run
+
+
+# SmolLM2-135M's products in one decode step: 30 layers of q, k, v, o, gate, up, down, then
+# the tied LM head.
+SMOLLM2_STEP = [
+    (576, 576),
+    (192, 576),
+    (192, 576),
+    (576, 576),
+    (1536, 576),
+    (1536, 576),
+    (576, 1536),
+] * 30 + [(49152, 576)]
+
+
+def step_table(rng, dtype: str, rows_list, repeats: int, bandwidth: float) -> None:
+    """One decode step's products (SmolLM2) in sequence: kernel vs XLA, ms and GB/s."""
+    weights = tuple(make_weight(rng, dtype, o, i) for o, i in SMOLLM2_STEP)
+    nbytes = sum(quant.nbytes(w) for w in weights)
+    kernel, xla = chain(linear_cpu.linear), chain(xla_linear)
+    for rows in rows_list:
+        x = jnp.asarray(rng.standard_normal((rows, 576)), jnp.float32)
+        t_kernel = time_chain(kernel, x, weights, repeats) * len(weights)
+        t_xla = time_chain(xla, x, weights, repeats) * len(weights)
+        print(
+            f"{dtype:>8} {'smollm2':>11} {rows:>3} {t_kernel * 1e6:>10.0f} "
+            f"{nbytes / t_kernel / 1e9:>6.1f} {100 * nbytes / t_kernel / bandwidth:>4.0f}% "
+            f"{t_xla * 1e6:>9.0f} {t_xla / t_kernel:>10.2f}",
+            flush=True,
+        )
+
+
+def time_chain(fn, x, weights, repeats: int) -> float:
+    jax.block_until_ready(fn(x, weights))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(x, weights))
+        times.append(time.perf_counter() - start)
+    return min(times) / len(weights)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtypes", default="bfloat16,int8,int4,float32")
+    p.add_argument("--rows", default="1,2,4,8,16")
+    p.add_argument("--shapes", default="576x576,1536x576,576x1536,4608x576,49152x576,smollm2")
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args()
+    if not linear_cpu.available():
+        raise SystemExit("the cpu linear kernel does not build here (no C++ compiler?)")
+    bandwidth = all_core_read_bandwidth()
+    print(f"all-core read bandwidth: {bandwidth / 1e9:.1f} GB/s ({os.cpu_count()} threads)")
+    print(
+        f"{'dtype':>8} {'O x I':>11} {'R':>3} {'kernel us':>10} {'GB/s':>6} {'% bw':>5} "
+        f"{'xla us':>9} {'xla/kernel':>10}"
+    )
+    rng = np.random.default_rng(0)
+    kernel, xla = chain(linear_cpu.linear), chain(xla_linear)
+    for dtype in args.dtypes.split(","):
+        for shape in args.shapes.split(","):
+            if shape == "smollm2":
+                step_table(rng, dtype, map(int, args.rows.split(",")), args.repeats, bandwidth)
+                continue
+            out, inp = map(int, shape.split("x"))
+            w = make_weight(rng, dtype, out, inp)
+            nbytes = quant.nbytes(w)
+            copies = int(np.clip(np.ceil(96e6 / nbytes), 2, 64))
+            weights = tuple(make_weight(rng, dtype, out, inp) for _ in range(copies))
+            for rows in map(int, args.rows.split(",")):
+                x = jnp.asarray(rng.standard_normal((rows, inp)), jnp.float32)
+                t_kernel = time_chain(kernel, x, weights, args.repeats)
+                t_xla = time_chain(xla, x, weights, args.repeats)
+                rate = nbytes / t_kernel
+                print(
+                    f"{dtype:>8} {shape:>11} {rows:>3} {t_kernel * 1e6:>10.1f} "
+                    f"{rate / 1e9:>6.1f} {100 * rate / bandwidth:>4.0f}% "
+                    f"{t_xla * 1e6:>9.1f} {t_xla / t_kernel:>10.2f}",
+                    flush=True,
+                )
+            del weights
+
+
+if __name__ == "__main__":
+    main()

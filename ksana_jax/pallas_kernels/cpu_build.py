@@ -1,0 +1,91 @@
+"""Builds and registers the C++ XLA FFI kernels for CPUs (ragged_paged_attention_cpu.cc,
+linear_cpu.cc) at first use.
+
+A kernel's source is compiled with the system C++ compiler (`$CXX`, default `g++`; flags
+`-O3 -march=native -fopenmp-simd`, no OpenMP runtime) into ~/.cache/ksana-jax/kernels (or
+$KSANA_JAX_KERNEL_CACHE), keyed by the source, the compiler command, jaxlib's version and
+the machine, so a machine builds each kernel once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+
+
+def _cache_dir() -> Path:
+    default = Path.home() / ".cache" / "ksana-jax" / "kernels"
+    return Path(os.environ.get("KSANA_JAX_KERNEL_CACHE", default))
+
+
+def _compile_command(source: Path, output: Path) -> list[str]:
+    compiler = shlex.split(os.environ.get("CXX", "g++"))
+    flags = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
+    return [*compiler, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(output)]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), so a cache shared across machines rebuilds."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.cache
+def library_path(source: Path) -> Path:
+    """The compiled library of the kernel source `source` (a .cc file), built now if this
+    machine has not built it yet. Raises RuntimeError with the compiler's output when the
+    build fails."""
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(_compile_command(Path("x"), Path("y"))).encode()):
+        key.update(part)
+    key.update(f"{jaxlib.__version__} {platform.machine()} {_cpu_flags()}".encode())
+    path = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = Path(tmp) / path.name
+        try:
+            result = subprocess.run(
+                _compile_command(source, built), capture_output=True, text=True, check=False
+            )
+        except OSError as e:  # no compiler
+            raise RuntimeError(f"cannot build {source.name}: {e}") from None
+        if result.returncode:
+            raise RuntimeError(
+                f"cannot build {source.name} ({shlex.join(result.args)}):\n{result.stderr[-4000:]}"
+            )
+        os.replace(built, path)  # atomic: concurrent builders each publish a whole file
+    return path
+
+
+@functools.cache
+def register(source: Path, symbol: str, target: str) -> None:
+    """Builds `source` (once per machine), loads it and registers its handler `symbol` as
+    the CPU FFI target `target`. Raises RuntimeError or OSError when that fails."""
+    library = ctypes.cdll.LoadLibrary(str(library_path(source)))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+
+
+def available(source: Path, symbol: str, target: str) -> bool:
+    """Whether the kernel builds and loads on this machine."""
+    try:
+        register(source, symbol, target)
+    except (RuntimeError, OSError):
+        return False
+    return True

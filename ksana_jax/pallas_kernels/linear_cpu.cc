@@ -1,0 +1,479 @@
+// Small-batch linear layers for CPUs, an XLA FFI custom call:
+//     y f32[R, O] = x f32[R, I] . W[O, I]^T
+// for W in float32, bfloat16, int8 (w = values * scales, one scale per output row or per
+// group of I / G columns) or int4 (w = q * scale + min per group of 32, GGUF Q4_1 packing:
+// byte j of a group holds element j in its low nibble and element j + 16 in its high one).
+//
+// Built at first use by linear_cpu.py (cpu_build.py: g++ -O3 -march=native). At decode's
+// few rows a product is bound by the weight bytes; XLA:CPU streams them well below the
+// machine's bandwidth (a library call per product, one thread for a small one).
+//
+// Work items: disjoint ranges of weight rows (output features), spread over XLA's intra-op
+// thread pool for a large W (kParallelBytes), so every core streams its own part of W, each
+// weight byte read once. An item
+// walks its rows kOutBlock at a time, and each block kChunk columns at a time:
+//   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
+//            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;
+//   phase 2  for every kRowTile of x's rows (read from L1 / L2), a register tile of
+//            kRowTile x kOutBlock float32 vector accumulators, summed across lanes at the
+//            end of the chunk.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif  // vdpbf16ps needs -march with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids)
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;     // floats per vector (one AVX-512 register, two AVX2 ones)
+constexpr int kOutBlock = 4;   // weight rows per register tile
+constexpr int kChunk = 512;    // columns dequantized at a time (a multiple of 32)
+// Products of fewer weight bytes run on the caller's thread alone: on this repo's loaded
+// 2-core machine XLA's pool threads started 0.1-10 ms after being scheduled, later than a
+// decode layer's products (10-100 us) had finished, and competed with the next ones
+// (SmolLM2 bfloat16 decode products: 15.8 ms a step on one thread, 20.7 ms with the pool).
+constexpr int64_t kParallelBytes = 4 << 20;
+#if defined(__AVX512F__)
+constexpr int kRowTile = 4;    // x rows per register tile: 16 accumulators of 32 registers
+#else
+constexpr int kRowTile = 2;    // 16 registers (AVX2): 8 accumulators of 2 registers each
+#endif
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu32 __attribute__((vector_size(64)));
+typedef int32_t vi32 __attribute__((vector_size(64)));
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef int8_t vi8 __attribute__((vector_size(16)));
+typedef uint8_t vu8 __attribute__((vector_size(16)));
+
+template <typename V>
+inline V load(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
+
+// 16 bytes to 16 floats. GCC 12 widens byte vectors element by element, so by intrinsics.
+template <bool kSigned>
+inline vf bytes_to_float(const void* p) {
+  vf f;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  const __m512i i = kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  const __m512 v = _mm512_cvtepi32_ps(i);
+  std::memcpy(&f, &v, sizeof(vf));
+#else
+  for (int i = 0; i < kLanes; ++i)
+    f[i] = kSigned ? static_cast<const int8_t*>(p)[i] : static_cast<const uint8_t*>(p)[i];
+#endif
+  return f;
+}
+
+inline float bits_to_f32(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA's convert
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+inline vf round_to_bf16(vf v) {  // to nearest even, kept in float32
+  vu32 bits;
+  std::memcpy(&bits, &v, sizeof(vf));
+  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
+  std::memcpy(&v, &bits, sizeof(vf));
+  return v;
+}
+
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  if (exponent == 0x1f) return bits_to_f32(sign | 0x7f800000 | (mantissa << 13));
+  if (exponent != 0) return bits_to_f32(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  const float value = static_cast<float>(mantissa) * (1.0f / 16777216.0f);  // subnormal
+  return sign ? -value : value;
+}
+
+enum class Kind { kF32, kBF16, kInt8, kInt4 };
+
+struct Problem {
+  const float* x;  // [R, x_stride]: x, or a copy padded with zeros to a multiple of kLanes
+  int64_t x_stride;
+  const uint16_t* x_bf16;  // [R, x_bf16_stride]: x in bfloat16 (bfloat16 weights, kDotBF16)
+  int64_t x_bf16_stride;
+  int64_t rows, in, out;  // R, I, O
+  int64_t weight_bytes;    // of W (and its scales)
+  Kind kind;
+  const char* w;
+  const void* scales;  // [O, G] float32 or float16 (int8, int4)
+  const void* mins;    // [O, I/32] (int4)
+  bool scales_f16, mins_f16;
+  bool bf16;  // the product is bfloat16's: x and dequantized weights rounded to bfloat16
+  int64_t groups;  // G
+  float* y;        // [R, O]
+};
+
+inline float scale_at(const void* p, bool f16, int64_t i) {
+  return f16 ? f16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+// Phase 1: columns [k0, k0 + n) of weight row `o` as float32 into dst, zeros up to n_pad.
+void dequantize_row(const Problem& pb, int64_t o, int64_t k0, int64_t n, int64_t n_pad,
+                    float* dst) {
+  const int64_t vec_end = n - n % kLanes;
+  switch (pb.kind) {
+    case Kind::kF32: {
+      std::memcpy(dst, pb.w + 4 * (o * pb.in + k0), 4 * n);
+      break;
+    }
+    case Kind::kBF16: {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(pb.w) + o * pb.in + k0;
+      int64_t k = 0;
+      for (; k < vec_end; k += kLanes) {
+        const vu32 bits = __builtin_convertvector(load<vu16>(src + k), vu32) << 16;
+        vf f;
+        std::memcpy(&f, &bits, sizeof(vf));
+        store(dst + k, f);
+      }
+      for (; k < n; ++k) dst[k] = bits_to_f32(static_cast<uint32_t>(src[k]) << 16);
+      break;
+    }
+    case Kind::kInt8: {
+      const int8_t* src = reinterpret_cast<const int8_t*>(pb.w) + o * pb.in + k0;
+      // Groups are a multiple of kLanes columns (or the whole row), so is k0: a vector never
+      // straddles two scales.
+      const int64_t group = pb.in / pb.groups;
+      int64_t g = k0 / group, next = (g + 1) * group - k0;
+      float s = scale_at(pb.scales, pb.scales_f16, o * pb.groups + g);
+      for (int64_t k = 0; k < n; k += k < vec_end ? kLanes : 1) {
+        if (k == next) {
+          s = scale_at(pb.scales, pb.scales_f16, o * pb.groups + ++g);
+          next += group;
+        }
+        if (k < vec_end) store(dst + k, bytes_to_float<true>(src + k) * s);
+        else dst[k] = src[k] * s;
+        if (pb.bf16 && k < vec_end) store(dst + k, round_to_bf16(load<vf>(dst + k)));
+        else if (pb.bf16) dst[k] = bits_to_f32(static_cast<uint32_t>(f32_to_bf16(dst[k])) << 16);
+      }
+      break;
+    }
+    case Kind::kInt4: {  // n is a multiple of 32 (I is, and so is kChunk)
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(pb.w) + (o * pb.in + k0) / 2;
+      for (int64_t k = 0; k < n; k += 32) {
+        const int64_t g = o * pb.groups + (k0 + k) / 32;
+        const float s = scale_at(pb.scales, pb.scales_f16, g);
+        const float m = scale_at(pb.mins, pb.mins_f16, g);
+        alignas(16) uint8_t q[32];  // the group's 4-bit values in order (GGUF's nibbles)
+        const vu8 bytes = load<vu8>(src + k / 2);
+        const vu8 lo = bytes & 0xF, hi = bytes >> 4;
+        std::memcpy(q, &lo, 16);
+        std::memcpy(q + 16, &hi, 16);
+        vf lo_f = bytes_to_float<false>(q) * s + m, hi_f = bytes_to_float<false>(q + 16) * s + m;
+        if (pb.bf16) lo_f = round_to_bf16(lo_f), hi_f = round_to_bf16(hi_f);
+        store(dst + k, lo_f);
+        store(dst + k + 16, hi_f);
+      }
+      break;
+    }
+  }
+  for (int64_t k = n; k < n_pad; ++k) dst[k] = 0.0f;
+}
+
+inline float lane_sum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// Phase 2: acc[r][j] += x[r, :n_pad] . w[j, :n_pad] for RT rows of x and kOutBlock rows of w.
+template <int RT>
+void tile_dot(const float* x, int64_t x_stride, const float* w, int64_t n_pad, float* acc) {
+  vf sums[RT][kOutBlock] = {};
+  for (int64_t k = 0; k < n_pad; k += kLanes) {
+    vf wv[kOutBlock];
+    for (int j = 0; j < kOutBlock; ++j) wv[j] = load<vf>(w + j * kChunk + k);
+    for (int r = 0; r < RT; ++r) {
+      const vf xv = load<vf>(x + r * x_stride + k);
+      for (int j = 0; j < kOutBlock; ++j) sums[r][j] += xv * wv[j];
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) acc[r * kOutBlock + j] += lane_sum(sums[r][j]);
+}
+
+template <int RT>
+void tile_dots(const Problem& pb, int64_t k0, int64_t n_pad, const float* w, float* acc) {
+  for (int64_t r = 0; r + RT <= pb.rows; r += RT)
+    tile_dot<RT>(pb.x + r * pb.x_stride + k0, pb.x_stride, w, n_pad, acc + r * kOutBlock);
+}
+
+
+#if defined(__AVX512BF16__)
+constexpr bool kDotBF16 = true;
+
+// bfloat16 weights with AVX512-BF16: x in bfloat16 too, and vdpbf16ps multiplies 32 pairs
+// of them straight from the weight rows into float32 sums (no dequantization at all).
+template <int RT>
+void tile_dot_bf16(const Problem& pb, int64_t r0, const uint16_t* const* w, float* acc) {
+  __m512 sums[RT][kOutBlock];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
+  const int64_t full = pb.in - pb.in % 32;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (pb.in % 32)) - 1);
+  for (int64_t k = 0; k < pb.in; k += 32) {
+    __m512i wv[kOutBlock];
+    for (int j = 0; j < kOutBlock; ++j)
+      wv[j] = k < full ? _mm512_loadu_si512(w[j] + k) : _mm512_maskz_loadu_epi16(tail, w[j] + k);
+    for (int r = 0; r < RT; ++r) {
+      const __m512i xv = _mm512_loadu_si512(pb.x_bf16 + (r0 + r) * pb.x_bf16_stride + k);
+      for (int j = 0; j < kOutBlock; ++j)
+        sums[r][j] = _mm512_dpbf16_ps(sums[r][j], (__m512bh)xv, (__m512bh)wv[j]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) acc[(r0 + r) * kOutBlock + j] = _mm512_reduce_add_ps(sums[r][j]);
+}
+
+void block_bf16(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  const uint16_t* w[kOutBlock];
+  for (int j = 0; j < kOutBlock; ++j)  // rows past the block repeat its first (unused sums)
+    w[j] = reinterpret_cast<const uint16_t*>(pb.w) + (o + (j < block ? j : 0)) * pb.in;
+  int64_t r = 0;
+  for (; r + 4 <= pb.rows; r += 4) tile_dot_bf16<4>(pb, r, w, acc);
+  switch (pb.rows - r) {
+    case 3: tile_dot_bf16<3>(pb, r, w, acc); break;
+    case 2: tile_dot_bf16<2>(pb, r, w, acc); break;
+    case 1: tile_dot_bf16<1>(pb, r, w, acc); break;
+  }
+}
+#else
+constexpr bool kDotBF16 = false;
+void block_bf16(const Problem&, int64_t, int64_t, float*) {}
+#endif
+
+#if defined(__AVX512F__)
+constexpr bool kDirectF32 = true;
+
+// float32 weights: multiplied straight from the weight rows (a copy to the scratch would
+// cost more than the product at a few rows).
+template <int RT>
+void tile_dot_f32(const Problem& pb, int64_t r0, const float* const* w, float* acc) {
+  __m512 sums[RT][kOutBlock];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
+  const int64_t full = pb.in - pb.in % kLanes;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (pb.in % kLanes)) - 1);
+  for (int64_t k = 0; k < pb.in; k += kLanes) {
+    __m512 wv[kOutBlock];
+    for (int j = 0; j < kOutBlock; ++j)
+      wv[j] = k < full ? _mm512_loadu_ps(w[j] + k) : _mm512_maskz_loadu_ps(tail, w[j] + k);
+    for (int r = 0; r < RT; ++r) {
+      const __m512 xv = _mm512_loadu_ps(pb.x + (r0 + r) * pb.x_stride + k);
+      for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_fmadd_ps(xv, wv[j], sums[r][j]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j)
+      acc[(r0 + r) * kOutBlock + j] = _mm512_reduce_add_ps(sums[r][j]);
+}
+
+void block_f32(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  const float* w[kOutBlock];
+  for (int j = 0; j < kOutBlock; ++j)  // rows past the block repeat its first (unused sums)
+    w[j] = reinterpret_cast<const float*>(pb.w) + (o + (j < block ? j : 0)) * pb.in;
+  int64_t r = 0;
+  for (; r + 4 <= pb.rows; r += 4) tile_dot_f32<4>(pb, r, w, acc);
+  switch (pb.rows - r) {
+    case 3: tile_dot_f32<3>(pb, r, w, acc); break;
+    case 2: tile_dot_f32<2>(pb, r, w, acc); break;
+    case 1: tile_dot_f32<1>(pb, r, w, acc); break;
+  }
+}
+#else
+constexpr bool kDirectF32 = false;
+void block_f32(const Problem&, int64_t, int64_t, float*) {}
+#endif
+
+
+// One work item: weight rows [o_begin, o_end).
+void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
+  alignas(64) static thread_local float w[kOutBlock * kChunk];
+  static thread_local std::vector<float> acc;
+  acc.resize(pb.rows * kOutBlock);
+  const int64_t full = pb.rows - pb.rows % kRowTile;
+  for (int64_t o = o_begin; o < o_end; o += kOutBlock) {
+    const int64_t block = std::min<int64_t>(kOutBlock, o_end - o);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    const bool bf16 = kDotBF16 && pb.kind == Kind::kBF16;
+    if (bf16 || (kDirectF32 && pb.kind == Kind::kF32)) {
+      if (bf16) block_bf16(pb, o, block, acc.data());
+      else block_f32(pb, o, block, acc.data());
+      for (int64_t r = 0; r < pb.rows; ++r)
+        for (int64_t j = 0; j < block; ++j) pb.y[r * pb.out + o + j] = acc[r * kOutBlock + j];
+      continue;
+    }
+    for (int64_t k0 = 0; k0 < pb.in; k0 += kChunk) {
+      const int64_t n = std::min<int64_t>(kChunk, pb.in - k0);
+      const int64_t n_pad = (n + kLanes - 1) / kLanes * kLanes;
+      for (int64_t j = 0; j < kOutBlock; ++j) {
+        if (j < block) dequantize_row(pb, o + j, k0, n, n_pad, w + j * kChunk);
+        else std::fill(w + j * kChunk, w + j * kChunk + n_pad, 0.0f);
+      }
+      tile_dots<kRowTile>(pb, k0, n_pad, w, acc.data());
+      for (int64_t r = full; r < pb.rows; ++r)  // the rows past the last full tile
+        tile_dot<1>(pb.x + r * pb.x_stride + k0, pb.x_stride, w, n_pad,
+                    acc.data() + r * kOutBlock);
+    }
+    for (int64_t r = 0; r < pb.rows; ++r)
+      for (int64_t j = 0; j < block; ++j) pb.y[r * pb.out + o + j] = acc[r * kOutBlock + j];
+  }
+}
+
+// Runs every item on the caller and the pool's threads (as ragged_paged_attention_cpu.cc).
+// A pool task may start only after the caller has returned: it then finds no item left (the
+// count lives in `state`, which it co-owns) and touches nothing else.
+struct SharedState {
+  SharedState(int64_t n, int64_t rows) : num_items(n), rows_per_item(rows) {}
+  const int64_t num_items, rows_per_item;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};
+};
+
+void run_items(ffi::ThreadPool& pool, const Problem& pb) {
+  const int64_t workers = pool.num_threads() + 1;
+  // About 4 items a worker, for balance when a core is busy elsewhere; whole register tiles.
+  int64_t rows = (pb.out + 4 * workers - 1) / (4 * workers);
+  rows = std::max<int64_t>(kOutBlock, (rows + kOutBlock - 1) / kOutBlock * kOutBlock);
+  auto state = std::make_shared<SharedState>((pb.out + rows - 1) / rows, rows);
+  const Problem* problem = &pb;
+  auto worker = [state, problem]() {
+    state->active.fetch_add(1);
+    for (;;) {
+      const int64_t i = state->next.fetch_add(1);
+      if (i >= state->num_items) break;
+      const int64_t begin = i * state->rows_per_item;
+      run_rows(*problem, begin, std::min(problem->out, begin + state->rows_per_item));
+    }
+    state->active.fetch_sub(1);
+  };
+  const int64_t helpers = pb.weight_bytes < kParallelBytes
+                              ? 0
+                              : std::min<int64_t>(pool.num_threads(), state->num_items - 1);
+  for (int64_t t = 0; t < helpers; ++t) {
+    auto task = worker;  // Schedule takes its task by value (an rvalue)
+    pool.Schedule(std::move(task));
+  }
+  worker();
+  // Every item is claimed; wait for the ones still running.
+  while (state->active.load() != 0) std::this_thread::yield();
+}
+
+bool is_scale_type(ffi::DataType t) { return t == ffi::F32 || t == ffi::F16; }
+
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                  ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y,
+                  bool bf16) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  if (x_dims.size() != 2 || w_dims.size() != 2)
+    return ffi::Error::InvalidArgument("x and w must be matrices");
+  Problem pb;
+  pb.rows = x_dims[0];
+  pb.in = x_dims[1];
+  pb.out = w_dims[0];
+  pb.w = static_cast<const char*>(w.untyped_data());
+  pb.scales = scales.untyped_data();
+  pb.mins = mins.untyped_data();
+  pb.scales_f16 = scales.element_type() == ffi::F16;
+  pb.mins_f16 = mins.element_type() == ffi::F16;
+  pb.groups = scales.dimensions().size() == 2 ? scales.dimensions()[1] : 0;
+  const bool scaled = scales.dimensions().size() == 2 && scales.dimensions()[0] == pb.out &&
+                      is_scale_type(scales.element_type());
+  switch (w.element_type()) {
+    case ffi::F32: pb.kind = Kind::kF32; break;
+    case ffi::BF16: pb.kind = Kind::kBF16; break;
+    case ffi::S8: pb.kind = Kind::kInt8; break;
+    case ffi::U8: pb.kind = Kind::kInt4; break;
+    default: return ffi::Error::InvalidArgument("w must be float32, bfloat16, int8 or uint8");
+  }
+  if (pb.kind == Kind::kInt4) {
+    if (w_dims[1] * 2 != pb.in || pb.in % 32 || !scaled || pb.groups != pb.in / 32 ||
+        mins.dimensions().size() != 2 || mins.dimensions()[0] != pb.out ||
+        mins.dimensions()[1] != pb.groups || !is_scale_type(mins.element_type()))
+      return ffi::Error::InvalidArgument(
+          "int4: w u8[O, I/2], scales and mins [O, I/32] float32/16, I % 32 == 0");
+  } else if (w_dims[1] != pb.in) {
+    return ffi::Error::InvalidArgument("w's input dim must be x's");
+  }
+  if (pb.kind == Kind::kInt8 &&
+      (!scaled || pb.groups < 1 || pb.in % pb.groups ||
+       (pb.groups > 1 && (pb.in / pb.groups) % kLanes)))
+    return ffi::Error::InvalidArgument(
+        "int8: scales [O, G] float32/16, G = 1 or I / G a multiple of 16");
+  pb.bf16 = bf16 || pb.kind == Kind::kBF16;
+  pb.weight_bytes = w.size_bytes() + scales.size_bytes() + mins.size_bytes();
+  if (pb.bf16 && pb.kind == Kind::kF32)
+    return ffi::Error::InvalidArgument("bf16 is for bfloat16 or quantized weights");
+  pb.y = y->typed_data();
+  if (pb.rows == 0 || pb.out == 0) return ffi::Error::Success();
+  // x as the tiles read it: a bfloat16 product multiplies x rounded to bfloat16 (XLA's dot
+  // rounds it the same way), in bfloat16 for vdpbf16ps; float x is padded with zeros to
+  // whole vectors when I is not a multiple of kLanes.
+  const bool round_x = pb.bf16;
+  std::vector<float> padded;
+  std::vector<uint16_t> x_bf16;
+  if (pb.kind == Kind::kBF16 && kDotBF16) {
+    pb.x_bf16_stride = (pb.in + 31) / 32 * 32;
+    x_bf16.assign(pb.rows * pb.x_bf16_stride, 0);
+    for (int64_t r = 0; r < pb.rows; ++r)
+      for (int64_t k = 0; k < pb.in; ++k)
+        x_bf16[r * pb.x_bf16_stride + k] = f32_to_bf16(x.typed_data()[r * pb.in + k]);
+    pb.x_bf16 = x_bf16.data();
+  } else if (pb.in % kLanes == 0 && !round_x) {
+    pb.x = x.typed_data();
+    pb.x_stride = pb.in;
+  } else {
+    pb.x_stride = (pb.in + kLanes - 1) / kLanes * kLanes;
+    padded.assign(pb.rows * pb.x_stride, 0.0f);
+    for (int64_t r = 0; r < pb.rows; ++r)
+      for (int64_t k = 0; k < pb.in; ++k) {
+        const float v = x.typed_data()[r * pb.in + k];
+        padded[r * pb.x_stride + k] =
+            round_x ? bits_to_f32(static_cast<uint32_t>(f32_to_bf16(v)) << 16) : v;
+      }
+    pb.x = padded.data();
+  }
+  run_items(pool, pb);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaLinearCpu, Linear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [R, I]
+                                  .Arg<ffi::AnyBuffer>()         // w [O, I] (int4: [O, I/2])
+                                  .Arg<ffi::AnyBuffer>()         // scales [O, G] or [0, 0]
+                                  .Arg<ffi::AnyBuffer>()         // mins [O, I/32] or [0, 0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [R, O]
+                                  .Attr<bool>("bf16")  // a bfloat16 product (see Problem)
+);

@@ -1,0 +1,101 @@
+"""Small-batch linear layers for CPUs: y f32[R, O] = x f32[R, I] . w[O, I]^T as a C++ XLA
+FFI custom call, linear_cpu.cc, for float32, bfloat16, int8 and int4 weights (quant.py's
+Int8Matrix / Int4Matrix, read as their packed bytes: no dequantized copy).
+
+At decode's few rows a product is bound by the weight bytes, and XLA:CPU streams them far
+below the machine's bandwidth; the kernel has every core stream its own weight rows once,
+dequantized in registers, with all R rows of x in a register tile (benchmarks/linear_cpu.py
+measures it against XLA's dot). `models.layers.linear` takes this path on CPU for
+R <= MAX_ROWS; the jnp product (dequantize, then dot) stays the reference and the path
+everywhere else.
+
+Compiled at first use (cpu_build.py: the system C++ compiler, once per machine);
+`available()` says whether that worked.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from ksana_jax import quant
+from ksana_jax.pallas_kernels import cpu_build
+
+SOURCE = Path(__file__).with_suffix(".cc")
+TARGET = "ksana_linear_cpu"
+_SYMBOL = "KsanaLinearCpu"
+# Rows up to which `layers.linear` takes the kernel, by weight format: beyond them XLA's
+# dot was as fast or faster on one SmolLM2 decode step's products (benchmarks/linear_cpu.py
+# --shapes smollm2, this repo's loaded 2-core AVX-512 machine; kernel / XLA time: bfloat16
+# 0.46x at 1 row, 1.2x at 2; int8 0.23x at 1, 0.53x at 8; int4 0.1-0.3x at 1-16 per
+# product). float32: not measured on the model yet, XLA's matrix-vector product stays.
+MAX_ROWS = {"float32": 0, "bfloat16": 1, "int8": 8, "int4": 16}
+_WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
+# KSANA_JAX_CPU_LINEAR=0 keeps XLA's dot everywhere (a before/after comparison in one run).
+ENABLED = os.environ.get("KSANA_JAX_CPU_LINEAR", "1") != "0"
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel builds and loads on this machine."""
+    return cpu_build.available(SOURCE, _SYMBOL, TARGET)
+
+
+def supports(w: jax.Array | quant.QuantizedMatrix) -> bool:
+    """Whether the kernel takes weight `w` (a matrix [O, I] in float32 / bfloat16, or an int8
+    / int4 quantized one; int8 groups must be whole vectors of 16)."""
+    if len(w.shape) != 2:
+        return False
+    if jnp.dtype(w.dtype) not in _WEIGHT_DTYPES:  # a quantized matrix's: its product's dtype
+        return False
+    if isinstance(w, quant.Int8Matrix):
+        return w.scales.shape[-1] == 1 or w.group_size % 16 == 0
+    return True
+
+
+def takes(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> bool:
+    """Whether `layers.linear` runs x [R, I] . w^T through the kernel, decided at trace time:
+    on CPU, outside a mesh of several devices (XLA cannot partition a custom call; the
+    tensor-parallel split keeps the jnp product), for a weight it takes and R up to its
+    format's MAX_ROWS, when the kernel builds here."""
+    if not ENABLED or x.ndim != 2 or jax.default_backend() != "cpu" or not supports(w):
+        return False
+    fmt = w.format if quant.is_quantized(w) else jnp.dtype(w.dtype).name
+    if x.shape[0] > MAX_ROWS[fmt]:
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return (mesh.empty or mesh.size == 1) and available()
+
+
+def _operands(w: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, jax.Array, jax.Array]:
+    none = jnp.zeros((0, 0), jnp.float32)
+    if isinstance(w, quant.Int8Matrix):
+        return w.values, w.scales, none
+    if isinstance(w, quant.Int4Matrix):
+        return w.packed, w.scales, w.mins
+    return w, none, none
+
+
+def _scale_dtype(a: jax.Array) -> jax.Array:
+    return a if a.dtype in (jnp.float32, jnp.float16) else a.astype(jnp.float32)
+
+
+def linear(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> jax.Array:
+    """x [R, I] times w [O, I] transposed -> f32[R, O]: `models.layers.linear` without a bias,
+    within float32 rounding: as there, the product is in w's dtype (a quantized matrix's
+    `dtype`): for bfloat16, x and the dequantized weights are rounded to bfloat16 and their
+    products summed in float32.
+    Raises ValueError for a weight the kernel does not take (`supports`)."""
+    if not supports(w):
+        raise ValueError(f"the cpu linear kernel does not take a weight {w!r:.200}")
+    if x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x must be [R, {w.shape[1]}], got {x.shape}")
+    cpu_build.register(SOURCE, _SYMBOL, TARGET)
+    values, scales, mins = _operands(w)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    bf16 = jnp.dtype(w.dtype) == jnp.bfloat16
+    return call(x.astype(jnp.float32), values, _scale_dtype(scales), _scale_dtype(mins), bf16=bf16)

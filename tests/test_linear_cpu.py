@@ -1,0 +1,85 @@
+"""The CPU linear kernel (pallas_kernels/linear_cpu.cc) against its jnp reference
+(dequantize, then a float32 dot) for every weight format, on random shapes whose O and I are
+not multiples of the kernel's vector width, register tile or column chunk, rows 1-16."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ksana_jax import quant
+from ksana_jax.models import layers
+from ksana_jax.pallas_kernels import linear_cpu
+
+pytestmark = pytest.mark.skipif(not linear_cpu.available(), reason="no C++ compiler")
+
+# (O, I): tails of the 16-lane vector (I), the 4-row weight block (O), the 512-column chunk.
+FLOAT_SHAPES = [(1, 1), (7, 13), (5, 100), (33, 576), (130, 1100), (64, 1536)]
+GROUPED_SHAPES = [(1, 32), (7, 96), (33, 576), (130, 1056), (13, 1536)]  # I % 32 == 0
+ROWS = [1, 2, 3, 5, 8, 16]  # register tiles of 4 rows: none, one, several, with tails
+
+
+def weight(rng: np.random.Generator, fmt: str, out: int, inp: int):
+    w = rng.standard_normal((out, inp)).astype(np.float32)
+    if fmt in ("float32", "bfloat16"):
+        return jnp.asarray(w, fmt)
+    if fmt == "int8_q8_0":  # GGUF Q8_0's blocks: a float16 scale per 32 columns
+        m = quant.quantize(w, "int8")
+        scales = rng.random((out, inp // 32)).astype(np.float16) / 100
+        return jax.tree.map(jnp.asarray, quant.Int8Matrix(m.values, scales))
+    return jax.tree.map(jnp.asarray, quant.quantize(w, fmt))
+
+
+def reference(x: jax.Array, w) -> jax.Array:
+    """Dequantize, then a float32 dot; bfloat16 weights multiply x rounded to bfloat16."""
+    if quant.is_quantized(w):
+        w = quant.dequantize(w, "float32")
+    elif w.dtype == jnp.bfloat16:
+        x = x.astype(jnp.bfloat16).astype(jnp.float32)
+    w = w.astype(jnp.float32)
+    return jnp.dot(x, w.T, precision=jax.lax.Precision.HIGHEST)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int8_q8_0", "int4"])
+def test_kernel_equals_the_jnp_reference(fmt):
+    rng = np.random.default_rng(0)
+    shapes = FLOAT_SHAPES if fmt in ("float32", "bfloat16", "int8") else GROUPED_SHAPES
+    kernel = jax.jit(linear_cpu.linear)
+    for out, inp in shapes:
+        w = weight(rng, fmt, out, inp)
+        assert linear_cpu.supports(w)
+        for rows in ROWS:
+            x = jnp.asarray(rng.standard_normal((rows, inp)), jnp.float32)
+            got, want = kernel(x, w), reference(x, w)
+            assert got.shape == (rows, out) and got.dtype == jnp.float32
+            scale = float(jnp.max(jnp.abs(want))) + 1
+            np.testing.assert_allclose(got, want, atol=2e-6 * scale * np.sqrt(inp), rtol=0)
+
+
+def test_refuses_what_it_does_not_take():
+    rng = np.random.default_rng(1)
+    odd_groups = quant.Int8Matrix(jnp.zeros((4, 24), jnp.int8), jnp.ones((4, 3), jnp.float32))
+    assert not linear_cpu.supports(odd_groups)  # groups of 8 columns
+    assert not linear_cpu.supports(jnp.zeros((4, 8), jnp.float16))
+    with pytest.raises(ValueError, match="does not take"):
+        linear_cpu.linear(jnp.zeros((1, 8)), jnp.zeros((4, 8), jnp.float16))
+    with pytest.raises(ValueError, match="x must be"):
+        linear_cpu.linear(jnp.zeros((1, 9)), weight(rng, "bfloat16", 4, 8))
+
+
+def test_layers_linear_takes_the_kernel_at_few_rows_only():
+    """`layers.linear` lowers to the custom call for bfloat16 / quantized weights at decode's
+    few rows (with the bias added after) and keeps XLA's dot beyond each format's MAX_ROWS;
+    both give the reference's values."""
+    rng = np.random.default_rng(2)
+    bias = jnp.asarray(rng.standard_normal(33), jnp.float32)
+    for fmt in ("bfloat16", "int8", "int4"):
+        w = weight(rng, fmt, 33, 96)
+        for rows in (1, linear_cpu.MAX_ROWS[fmt], linear_cpu.MAX_ROWS[fmt] + 1):
+            x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
+            hlo = jax.jit(layers.linear).lower(x, w, bias).as_text()
+            assert (linear_cpu.TARGET in hlo) == (rows <= linear_cpu.MAX_ROWS[fmt]), (fmt, rows)
+            got = jax.jit(layers.linear)(x, w, bias)
+            np.testing.assert_allclose(got, reference(x, w) + bias, atol=2e-5 * np.sqrt(96))
