@@ -49,7 +49,22 @@ class _FakeEngine:
         self.timer = timer
 
     def snapshot(self) -> EngineSnapshot:
-        return EngineSnapshot(1, 0, 0.5, 10, 20, 0, 0, 0, 3, self.timer.copy())
+        return EngineSnapshot(
+            running=1,
+            waiting=0,
+            kv_cache_usage=0.5,
+            prompt_tokens=10,
+            generation_tokens=20,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            preemptions=0,
+            compilations=3,
+            spec_draft_tokens=0,
+            spec_accepted_tokens=0,
+            spec_drafted_per_position=(),
+            spec_accepted_per_position=(),
+            step_timer=self.timer.copy(),
+        )
 
 
 def test_metrics_expose_step_times_and_idle_ratio():
