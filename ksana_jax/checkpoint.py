@@ -267,13 +267,15 @@ def load_params(
         else:
             abstract[name] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=where)
     previous_hook = _quiet_late_reads()
+    # When a read fails, the other reads' futures fail too and, never awaited, asyncio logs
+    # each one as it is collected ("Future exception was never retrieved"), some while the
+    # restore is still running: the error below says it once. Kept after a failure.
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.addFilter(_unretrieved_futures)
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             flat = checkpointer.restore((Path(path) / PARAMS_DIR).absolute(), abstract)
     except Exception as e:  # TensorStore and orbax errors: name the parameter
-        # The other reads' futures fail too and, never awaited, asyncio logs each one as it
-        # is collected ("Future exception was never retrieved"): this error says it once.
-        logging.getLogger("asyncio").addFilter(_unretrieved_futures)
         name = _failed_param(e)
         what = f"parameter {name}" if name else "a parameter"
         raise CheckpointError(
@@ -281,6 +283,7 @@ def load_params(
             f"({_first_line(e)}); {_redo(Path(path))}"
         ) from None
     sys.unraisablehook = previous_hook  # nothing failed, so nothing late to silence
+    asyncio_log.removeFilter(_unretrieved_futures)
     for name, fmt in formats.items():
         flat[name] = quant.from_arrays(fmt, flat[name], dtype)
     return registry.params_from_flat(flat, cfg)
@@ -298,8 +301,10 @@ def _fitting(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> jax.sha
 
 
 def _unretrieved_futures(record: logging.LogRecord) -> bool:
-    """A logging filter dropping asyncio's "... exception was never retrieved" records."""
-    return not record.getMessage().endswith("exception was never retrieved")
+    """A logging filter dropping asyncio's "... exception was never retrieved" records (the
+    message's first line; the lines after it name the future)."""
+    first = record.getMessage().split("\n", 1)[0]
+    return not first.endswith("exception was never retrieved")
 
 
 def _quiet_late_reads() -> Callable[[Any], None]:
