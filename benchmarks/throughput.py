@@ -100,7 +100,7 @@ def decode_step_seconds(llm: LLM, repeats: int = 20) -> float:
         pages,
     )
     # Greedy padding rows around the one decode row.
-    _, sampling, rows = runner.padding_inputs(
+    _, sampling, rows, _ = runner.padding_inputs(
         cfg.token_buckets[0], cfg.seq_buckets[0], pages * cfg.page_size
     )
 

@@ -5,7 +5,8 @@ Each running request holds a slot (`Request.slot`, given by the scheduler) in [0
 slot R - 1 is the padding sink. The host keeps one numpy row per slot -- sampling
 parameters, seed, the ids banned below min_tokens, the page table -- written when a request
 joins a slot (is admitted or resumed) and, for the page table, when it gains pages. A
-grammar-constrained row's token bitmask is filled each step from its matcher (structured.py). A step
+grammar-constrained row's token bitmask is filled each step from its matcher (structured.py),
+apart from the other inputs: while the step's forward runs (runner.py). A step
 then gathers its rows with one index per array, so its host work is O(rows joined + pages
 gained + tokens scheduled), whatever max_model_len or the context lengths are.
 
@@ -250,22 +251,23 @@ class PersistentBatch:
             sample_offsets,
             has_draft,
         )
-        firsts = np.cumsum(num_drafts + 1) - num_drafts - 1  # each chunk's first position
-        masks = self._bitmasks(chunks, firsts, num_positions)
-        return inputs, self._sampling(sample_slots, num_generated, masks), rows
+        return inputs, self._sampling(sample_slots, num_generated), rows
 
-    def _bitmasks(
-        self, chunks: Sequence[ScheduledChunk], firsts: np.ndarray, num_positions: int
-    ) -> np.ndarray:
-        """SamplingInputs.token_bitmask: the grammar's allowed tokens at the sampled position
-        of each constrained chunk that samples (such a row never carries proposals: the
-        scheduler proposes none for it), all ones elsewhere (so any mix runs the same step)."""
+    def bitmasks(self, chunks: Sequence[ScheduledChunk], num_positions: int) -> np.ndarray:
+        """SamplingInputs.token_bitmask i32[W, ceil(V / 32)] of a step `prepare` built: the
+        grammar's allowed tokens at the sampled position of each constrained chunk that samples
+        (such a row never carries proposals: the scheduler proposes none for it), all ones
+        elsewhere (so any mix runs the same step). Called once the grammars have taken the
+        previous step's tokens; a request that finished meanwhile is left unconstrained (its
+        token is dropped)."""
         masks = np.full((num_positions, self.mask_words), -1, np.int32)
-        constrained = [
-            (c.request.matcher, int(firsts[i]))
-            for i, c in enumerate(chunks)
-            if c.samples and c.request.matcher is not None
-        ]
+        first = 0  # each chunk's first sampled position
+        constrained = []
+        for c in chunks:
+            request = c.request
+            if c.samples and request.matcher is not None and not request.is_finished:
+                constrained.append((request.matcher, first))
+            first += 1 + len(c.draft_token_ids)
         if constrained:
             fill_bitmasks(constrained, masks)
         return masks
@@ -287,10 +289,9 @@ class PersistentBatch:
                 done += k
         return token_slots, targets
 
-    def _sampling(
-        self, slots: np.ndarray, num_generated: np.ndarray, token_bitmask: np.ndarray
-    ) -> SamplingInputs:
-        """The step's rows of the per-slot sampling parameters."""
+    def _sampling(self, slots: np.ndarray, num_generated: np.ndarray) -> SamplingInputs:
+        """The step's rows of the per-slot sampling parameters; the token bitmask is filled
+        apart (`bitmasks`), once the grammars are up to date."""
         suppressed = self.suppressed[slots]
         suppressed[num_generated >= self.min_tokens[slots]] = -1
         return SamplingInputs(
@@ -309,7 +310,7 @@ class PersistentBatch:
             slots=slots,
             bias_ids=self.bias_ids[slots],
             bias_values=self.bias_values[slots],
-            token_bitmask=token_bitmask,
+            token_bitmask=None,
         )
 
     def padding(

@@ -1,14 +1,17 @@
 """The engine loop: add requests, step, abort -- the only code that drives the device.
 
     scheduled = scheduler.schedule()              which requests run, how many tokens each
-    in_flight = runner.dispatch(chunks)           one jitted call: forward + sampling (+ scoring)
+    forwarding = runner.dispatch(chunks)          the forward program (+ prompt scoring)
+    in_flight = runner.finish_dispatch(...)       the sampling program, under token bitmasks
     scheduler.update_from_output(...)             append tokens; stop ids, EOS, max_tokens
     emit(...)                                     detokenize, stop strings, outputs
 
 With `EngineConfig.async_scheduling` a step's results are fetched only after the next step
 is dispatched, so the host's work overlaps the device's; the next step's decode rows read
 their tokens on device. A request that finished may then have computed one more token: the
-scheduler discards it, so outputs are the same either way.
+scheduler discards it, so outputs are the same either way. A step with grammar-constrained
+rows fills their token bitmasks between its two programs, once the step before is finished
+(its tokens advance the grammars): that host work overlaps the step's forward.
 
 With speculative decoding (spec_decode.py) a step may add several tokens to a request; a
 stop string inside them ends the request there and drops the tokens after it. While
@@ -82,7 +85,6 @@ class _Dispatched(NamedTuple):
     scheduled: SchedulerOutput
     in_flight: InFlight
     dispatched: float
-    constrained: bool  # some row samples under a grammar (see step)
 
 
 @dataclasses.dataclass
@@ -279,25 +281,30 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
-        """schedule -> execute -> update -> emit. With async scheduling a step's results are
-        fetched by the next call, once it has dispatched the step after it -- except where the
-        next schedule needs a step's tokens on the host: grammar-constrained rows (the next
-        token masks; computing masks after the fetch would put the matcher's work on the
-        critical path anyway) and speculation (proposals extend the known tokens). Such a
-        step is finished before the next is scheduled, as without async scheduling."""
+        """schedule -> execute -> update -> emit. A step runs as two programs (runner.py):
+        the forward, then the sampling. With async scheduling a step's results are fetched
+        by the next call, once it has dispatched the step after it. A step with
+        grammar-constrained rows dispatches its forward, then finishes the step before it
+        (whose tokens advance the grammars), then fills its token bitmasks and dispatches its
+        sampling: the host's work overlaps the forward. Speculation needs the tokens on the
+        host to propose (proposals extend the known tokens): a step that may propose is
+        finished before the next is scheduled, as without async scheduling."""
         begin = time.perf_counter()
         outputs = []
-        if self._in_flight is not None and (self._in_flight.constrained or self._speculating()):
-            # the next schedule needs this step's tokens on the host (grammar masks, proposals)
+        if self._in_flight is not None and self._speculating():
             outputs = self._finish(self._in_flight, begin)
             self._in_flight = None
         scheduled = self.scheduler.schedule()
         self._count(scheduled)
         running = None
         if scheduled.chunks:
-            in_flight = self.runner.dispatch(scheduled.chunks)
-            constrained = any(c.samples and c.request.matcher for c in scheduled.chunks)
-            running = _Dispatched(scheduled, in_flight, time.perf_counter(), constrained)
+            forwarding = self.runner.dispatch(scheduled.chunks)
+            dispatched = time.perf_counter()
+            if forwarding.constrained and self._in_flight is not None:
+                outputs += self._finish(self._in_flight, begin)  # while the forward runs
+                self._in_flight = None
+            in_flight = self.runner.finish_dispatch(forwarding)
+            running = _Dispatched(scheduled, in_flight, dispatched)
         if self.config.async_scheduling and not scheduled.num_drafts:
             done, self._in_flight = self._in_flight, running
         else:  # a step verifying proposals is finished before the next is scheduled

@@ -85,44 +85,35 @@ class BatchState:
         return cls(jnp.zeros(num_slots, jnp.int32), PenaltyCounts.zeros(num_slots, vocab))
 
 
-def _sample_positions(
-    params,
-    cfg: ModelConfig,
-    hidden: jax.Array,
-    s: SamplingInputs,
-    rows: RowInputs,
-    counts,
-    max_logprobs: int,
-) -> SampledTokens:
-    """Samples the W positions RowInputs names from hidden states f32[T, D]: through the LM
-    head and the sampler (SamplingInputs has a row per position). With proposals W exceeds
-    min(T, S); a `lax.switch` on how many are in use then projects only min(T, S) positions
-    unless more are, so a step without proposals pays for no more than before."""
-    num_tokens, num_seqs = hidden.shape[0], rows.reset_slots.shape[0]
+def _on_used_positions(rows: RowInputs, fn, *operands):
+    """fn(size, *operands) over the first `size` of the W sampled positions, padded back to W.
+    With proposals W exceeds min(T, S); a `lax.switch` on how many are in use then runs fn
+    on min(T, S) positions unless more are, so a step without proposals pays for no more
+    than before."""
+    num_tokens, num_seqs = rows.last_token_slots.shape[0], rows.reset_slots.shape[0]
     width = rows.sample_token_slots.shape[0]
 
-    def project(size: int):
-        def branch(hidden):
-            logits = registry.logits(params, cfg, hidden[rows.sample_token_slots[:size]])
-            out = sample(logits, jax.tree.map(lambda a: a[:size], s), counts, max_logprobs)
+    def branch(size: int):
+        def run(*operands):
+            out = fn(size, *operands)
             return jax.tree.map(
                 lambda a: jnp.pad(a, [(0, width - size)] + [(0, 0)] * (a.ndim - 1)), out
             )
 
-        return branch
+        return run
 
     base = min(num_tokens, num_seqs)
     if width <= base:
-        return project(width)(hidden)
+        return branch(width)(*operands)
     index = (jnp.sum(rows.sample_rows < num_seqs) > base).astype(jnp.int32)
-    return jax.lax.switch(index, [project(base), project(width)], hidden)
+    return jax.lax.switch(index, [branch(base), branch(width)], *operands)
 
 
-def _last_tokens(sampled: SampledTokens, inputs: StepInputs, rows: RowInputs) -> jax.Array:
+def _last_tokens(sampled: SampledTokens, next_tokens: jax.Array, rows: RowInputs) -> jax.Array:
     """bool[W]: the position whose token is its row's last after verification: the first
     whose draft the target rejected, or the last (spec_decode.py)."""
     num_seqs = rows.reset_slots.shape[0]
-    match = rows.sample_has_draft & (sampled.token_ids == _next_tokens(inputs, rows))
+    match = rows.sample_has_draft & (sampled.token_ids == next_tokens)
     never = jnp.iinfo(jnp.int32).max
     first_miss = jnp.full(num_seqs + 1, never, jnp.int32)
     first_miss = first_miss.at[rows.sample_rows].min(jnp.where(match, never, rows.sample_offsets))
@@ -135,7 +126,23 @@ def _next_tokens(inputs: StepInputs, rows: RowInputs) -> jax.Array:
     return inputs.token_ids[jnp.minimum(rows.sample_token_slots + 1, num_tokens - 1)]
 
 
-def _engine_step(
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["logits", "next_tokens", "scored", "buffers"],
+    meta_fields=["layout"],
+)
+@dataclasses.dataclass(frozen=True)
+class Forwarded:
+    """What the forward program leaves on the device for the sampling program."""
+
+    logits: jax.Array  # f32[W, V]  each sampled position's logits (past those in use: 0)
+    next_tokens: jax.Array  # i32[W]  the token after each sampled position (its proposal)
+    scored: ScoredLogprobs  # the prompt positions RowInputs names, scored
+    buffers: tuple[jax.Array, jax.Array]  # the step's packed inputs, for the sampler's rows
+    layout: PackLayout  # static: how to unpack them
+
+
+def _forward(
     params: registry.Params,
     cfg: ModelConfig,
     kv: KVCache,
@@ -148,15 +155,14 @@ def _engine_step(
     draft_kv: KVCache | None = None,
     draft_cfg: ModelConfig | None = None,
     num_speculative: int = 0,
-) -> tuple[tuple[SampledTokens, ScoredLogprobs, jax.Array], KVCache, BatchState, KVCache | None]:
-    """Unpacks the step's inputs (StepInputs, SamplingInputs, RowInputs; see batch.pack),
-    feeds placeholders their slot's last sampled token, counts the fed tokens for
-    penalties, runs the model, samples each row's last token and scores the prompt
-    positions RowInputs names. A position whose draft the target's token equals accepts it;
-    each slot's last token becomes its row's last token after verification. With a draft
-    model (draft.py) the draft first fills the drafted slots, then computes the step's
-    tokens on its own KV. Also returns each sampled position's proposal i32[W] (-1: none)."""
-    inputs, sampling, rows = unpack(buffers, layout)
+) -> tuple[Forwarded, KVCache, BatchState, KVCache | None]:
+    """The step's first program: unpacks its inputs (StepInputs, SamplingInputs without the
+    token bitmask, RowInputs; see batch.pack), feeds placeholders their slot's last sampled
+    token, counts the fed tokens for penalties, runs the model, and projects the sampled
+    positions' logits and scores the prompt positions RowInputs names. With a draft model
+    (draft.py) the draft first fills the drafted slots, then computes the step's tokens on
+    its own KV."""
+    inputs, sampling, rows = unpack(buffers, layout)[:3]
     fed = state.last_token.at[rows.last_token_slots].get(mode="fill", fill_value=-1)
     inputs = dataclasses.replace(inputs, token_ids=jnp.where(fed >= 0, fed, inputs.token_ids))
     if draft_cfg is not None:
@@ -173,7 +179,11 @@ def _engine_step(
         state.counts,
     )
     hidden, kv = registry.forward(params, cfg, kv, inputs, backend)
-    sampled = _sample_positions(params, cfg, hidden, sampling, rows, counts, max_logprobs)
+    logits = _on_used_positions(
+        rows,
+        lambda size, hidden: registry.logits(params, cfg, hidden[rows.sample_token_slots[:size]]),
+        hidden,
+    )
     scored = score_prompt(
         hidden,
         rows.scored_token_slots,
@@ -181,10 +191,63 @@ def _engine_step(
         functools.partial(registry.logits, params, cfg),
         max_logprobs,
     )
-    last = jnp.where(_last_tokens(sampled, inputs, rows), sampling.slots, state.last_token.size)
+    out = Forwarded(logits, _next_tokens(inputs, rows), scored, buffers, layout)
+    return out, kv, _replicated(BatchState(state.last_token, counts)), draft_kv
+
+
+def _sample(
+    forwarded: Forwarded,
+    state: BatchState,
+    token_bitmask: jax.Array,
+    max_logprobs: int,
+) -> tuple[tuple[SampledTokens, ScoredLogprobs, jax.Array], BatchState]:
+    """The step's second program: samples each position from the forward's logits under the
+    token bitmask i32[W, ceil(V / 32)] (filled on the host while the forward ran). A
+    position whose draft the target's token equals accepts it; each slot's last token
+    becomes its row's last token after verification. Returns the sampled tokens, the scored
+    prompt logprobs and each sampled position's proposal i32[W] (-1: none)."""
+    _, sampling, rows = unpack(forwarded.buffers, forwarded.layout)[:3]
+    sampling = dataclasses.replace(sampling, token_bitmask=token_bitmask)
+    sampled = _on_used_positions(
+        rows,
+        lambda size, logits: sample(
+            logits[:size], jax.tree.map(lambda a: a[:size], sampling), state.counts, max_logprobs
+        ),
+        forwarded.logits,
+    )
+    last = jnp.where(
+        _last_tokens(sampled, forwarded.next_tokens, rows), sampling.slots, state.last_token.size
+    )
     last_token = state.last_token.at[last].set(sampled.token_ids, mode="drop")
-    proposals = jnp.where(rows.sample_has_draft, _next_tokens(inputs, rows), -1)
-    return (sampled, scored, proposals), kv, _replicated(BatchState(last_token, counts)), draft_kv
+    proposals = jnp.where(rows.sample_has_draft, forwarded.next_tokens, -1)
+    state = _replicated(BatchState(last_token, state.counts))
+    return (sampled, forwarded.scored, proposals), state
+
+
+def _engine_step(
+    params: registry.Params,
+    cfg: ModelConfig,
+    kv: KVCache,
+    state: BatchState,
+    buffers: tuple[jax.Array, jax.Array],
+    layout: PackLayout,
+    max_logprobs: int,
+    backend: str = "reference",
+    draft_params: registry.Params | None = None,
+    draft_kv: KVCache | None = None,
+    draft_cfg: ModelConfig | None = None,
+    num_speculative: int = 0,
+) -> tuple[tuple[SampledTokens, ScoredLogprobs, jax.Array], KVCache, BatchState, KVCache | None]:
+    """The whole step as one program: `_forward` then `_sample`, as the runner dispatches
+    them, its buffers packed from (inputs, sampling, rows, token bitmask), as
+    `ModelRunner.padding_inputs` gives them (what the AOT tools lower)."""
+    forwarded, kv, state, draft_kv = _forward(
+        params, cfg, kv, state, buffers, layout, max_logprobs, backend,
+        draft_params, draft_kv, draft_cfg, num_speculative,
+    )  # fmt: skip
+    token_bitmask = unpack(buffers, layout)[3]
+    out, state = _sample(forwarded, state, token_bitmask, max_logprobs)
+    return out, kv, state, draft_kv
 
 
 def _replicated(tree):
@@ -196,12 +259,15 @@ def _replicated(tree):
     return jax.lax.with_sharding_constraint(tree, jax.sharding.PartitionSpec())
 
 
-_STEP_JIT = dict(
+_FORWARD_JIT = dict(
     static_argnames=("cfg", "layout", "max_logprobs", "backend", "draft_cfg", "num_speculative"),
     donate_argnames=("kv", "state", "draft_kv"),
 )
-engine_step = jax.jit(_engine_step, **_STEP_JIT)
-_step_functions = {engine_step}  # every jitted step, for compile_count
+forward_step = jax.jit(_forward, **_FORWARD_JIT)
+sample_step = jax.jit(_sample, static_argnames=("max_logprobs",), donate_argnames=("state",))
+engine_step = jax.jit(_engine_step, **_FORWARD_JIT)
+# every jitted step, for compile_count (engine_step: only AOT tools and tests run it)
+_step_functions = {forward_step, sample_step, engine_step}
 
 
 # Platforms whose default array layouts can put the KV's dims out of order (a TPU does, see
@@ -220,19 +286,41 @@ def kv_row_major_format(sharding: jax.sharding.Sharding) -> Format:
 
 
 @functools.cache  # one per format: equal jit wrappers would share, and double-count, a cache
-def kv_pinned_engine_step(kv_format: Format):
-    """engine_step with the KV argument and result held in `kv_format`. Call it with every
-    argument positional, as `ModelRunner.execute` does: with in_shardings set, jit takes no
-    keyword arguments."""
+def _kv_pinned(kv_format: Format, fn):
     step = jax.jit(
-        _engine_step,
+        fn,
         # params, kv, state, buffers, draft params, draft KV (the draft's KV is not pinned)
         in_shardings=(None, kv_shardings(kv_format), None, None, None, None),
         out_shardings=(None, kv_shardings(kv_format), None, None),
-        **_STEP_JIT,
+        **_FORWARD_JIT,
     )
     _step_functions.add(step)
     return step
+
+
+def kv_pinned_forward_step(kv_format: Format):
+    """forward_step with the KV argument and result held in `kv_format`. Call it with every
+    argument positional, as `ModelRunner.execute` does: with in_shardings set, jit takes no
+    keyword arguments."""
+    return _kv_pinned(kv_format, _forward)
+
+
+def kv_pinned_engine_step(kv_format: Format):
+    """engine_step (the whole step as one program) so pinned, for the AOT tools."""
+    return _kv_pinned(kv_format, _engine_step)
+
+
+class Forwarding(NamedTuple):
+    """A step whose forward program is dispatched, its sampling not yet (runner.dispatch)."""
+
+    forwarded: Forwarded
+    chunks: list[ScheduledChunk]
+    host: tuple[StepInputs, SamplingInputs, RowInputs] | None  # for followers (multihost.py)
+    constrained: bool  # some row samples under a grammar: its bitmask is filled at sampling
+    num_rows: int
+    logprobs: bool
+    num_scored: int
+    drafted: bool
 
 
 class InFlight(NamedTuple):
@@ -308,10 +396,10 @@ class ModelRunner:
             compute_capability=capability,
         )
         kv_sharding = self.plan.kv_sharding(self.kv_spec.shape)
-        self.step = engine_step
+        self.forward_step = forward_step
         if platform in PINNED_KV_PLATFORMS:
             kv_sharding = kv_row_major_format(kv_sharding)
-            self.step = kv_pinned_engine_step(kv_sharding)
+            self.forward_step = kv_pinned_forward_step(kv_sharding)
         self.kv = allocate_kv(self.kv_spec, kv_sharding)
         self.draft_kv = None
         if draft_model is not None:  # the same pages, indexed by the same page ids
@@ -348,22 +436,17 @@ class ModelRunner:
             else config.context_buckets
         )
         self.channel = multihost.leader_channel()  # on process 0 of several, else None
+        self._all_allowed: dict[int, jax.Array] = {}  # W -> a device bitmask of all ones
 
-    def execute(
-        self, inputs: StepInputs, sampling: SamplingInputs, rows: RowInputs
-    ) -> tuple[SampledTokens, ScoredLogprobs, jax.Array]:
-        """Dispatches one jitted step on host inputs; returns its outputs as device arrays
-        (not waited for): sampled tokens, scored prompt logprobs, proposals. With several
-        processes every one runs it with the same inputs (process 0 sends them first, see
-        multihost.py)."""
-        if self.channel is not None:
-            self.channel.send(inputs, sampling, rows)
-        buffers, layout = pack((inputs, sampling, rows))
+    def forward(self, inputs: StepInputs, sampling: SamplingInputs, rows: RowInputs) -> Forwarded:
+        """Dispatches a step's forward program on host inputs (sampling's token bitmask is
+        not read); returns its outputs as device arrays (not waited for)."""
+        buffers, layout = pack((inputs, dataclasses.replace(sampling, token_bitmask=None), rows))
         if self.plan.mesh.size > 1:  # one device: jit's own transfer of numpy is faster
             buffers = self.plan.put_replicated(buffers)
         draft = self.draft
         with self.plan.activate():
-            out, self.kv, self.state, self.draft_kv = self.step(
+            forwarded, self.kv, self.state, self.draft_kv = self.forward_step(
                 self.model.params,
                 self.model.config,
                 self.kv,
@@ -377,10 +460,56 @@ class ModelRunner:
                 None if draft is None else draft.config,
                 self.config.num_speculative_tokens,
             )
+        return forwarded
+
+    def sample(
+        self, forwarded: Forwarded, token_bitmask: np.ndarray | None
+    ) -> tuple[SampledTokens, ScoredLogprobs, jax.Array]:
+        """Dispatches the sampling program of a step `forward` dispatched, under
+        token_bitmask i32[W, ceil(V / 32)] (None: every token allowed); returns its outputs
+        as device arrays (not waited for): sampled tokens, scored prompt logprobs, proposals."""
+        if token_bitmask is None:  # kept on the device: an unconstrained step sends no mask
+            width = forwarded.logits.shape[0]
+            if width not in self._all_allowed:
+                self._all_allowed[width] = self._put(
+                    np.full((width, self.batch.mask_words), -1, np.int32)
+                )
+            token_bitmask = self._all_allowed[width]
+        else:
+            token_bitmask = self._put(token_bitmask)
+        with self.plan.activate():
+            out, self.state = sample_step(
+                forwarded, self.state, token_bitmask, self.config.max_logprobs
+            )
         return out
 
-    def dispatch(self, chunks: list[ScheduledChunk]) -> InFlight:
-        """Dispatches the step running `chunks`; `fetch` waits for its result."""
+    def _put(self, array: np.ndarray) -> jax.Array:
+        """A host array on the device(s), placed as every step's inputs are."""
+        return self.plan.put_replicated(array) if self.plan.mesh.size > 1 else jnp.asarray(array)
+
+    def execute(
+        self,
+        inputs: StepInputs,
+        sampling: SamplingInputs,
+        rows: RowInputs,
+        token_bitmask: np.ndarray | None = None,
+    ) -> tuple[SampledTokens, ScoredLogprobs, jax.Array]:
+        """Dispatches one whole step (forward, then sampling under token_bitmask) on host
+        inputs; returns its outputs as device arrays (not waited for). With several
+        processes every one runs it with the same inputs (process 0 sends them first, see
+        multihost.py)."""
+        if self.channel is not None:
+            self.channel.send(inputs, sampling, rows, self._host_bitmask(token_bitmask, rows))
+        return self.sample(self.forward(inputs, sampling, rows), token_bitmask)
+
+    def _host_bitmask(self, token_bitmask: np.ndarray | None, rows: RowInputs) -> np.ndarray:
+        if token_bitmask is not None:
+            return token_bitmask
+        return np.full((rows.sample_rows.shape[0], self.batch.mask_words), -1, np.int32)
+
+    def dispatch(self, chunks: list[ScheduledChunk]) -> Forwarding:
+        """Dispatches the forward program of the step running `chunks`; `finish_dispatch`
+        then dispatches its sampling, and `fetch` waits for its result."""
         cfg = self.config
         num_tokens = _bucket(cfg.token_buckets, sum(c.num_tokens for c in chunks), "tokens")
         num_seqs = _bucket(cfg.seq_buckets, len(chunks), "sequences")
@@ -398,8 +527,25 @@ class ModelRunner:
         logprobs = bool((sampling.num_logprobs[:num_positions] >= 0).any())
         num_scored = sum(c.num_scored for c in chunks)
         drafted = drafting and any(c.draft_token_ids for c in chunks)
-        out = self.execute(inputs, sampling, rows)
-        return InFlight(out, num_positions, logprobs, num_scored, drafted)
+        # Followers (multihost.py) get the step once its bitmask is known, at sampling.
+        forwarded = self.forward(inputs, sampling, rows)
+        host = (inputs, sampling, rows) if self.channel is not None else None
+        constrained = any(c.samples and c.request.matcher for c in chunks)
+        return Forwarding(
+            forwarded, chunks, host, constrained, num_positions, logprobs, num_scored, drafted
+        )
+
+    def finish_dispatch(self, step: Forwarding) -> InFlight:
+        """Dispatches the sampling program of a step `dispatch` began: its constrained rows'
+        token bitmasks are filled now, from their grammars (up to date once the step before
+        is fetched), while the forward runs on the device."""
+        masks = None
+        if step.constrained:
+            masks = self.batch.bitmasks(step.chunks, step.forwarded.logits.shape[0])
+        if self.channel is not None:
+            self.channel.send(*step.host, self._host_bitmask(masks, step.host[2]))
+        out = self.sample(step.forwarded, masks)
+        return InFlight(out, step.num_rows, step.logprobs, step.num_scored, step.drafted)
 
     @staticmethod
     def fetch(
@@ -428,7 +574,7 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk]
     ) -> tuple[SampledTokens, ScoredLogprobs | None, np.ndarray | None]:
         """Runs one step and waits for it."""
-        return self.fetch(self.dispatch(chunks))
+        return self.fetch(self.finish_dispatch(self.dispatch(chunks)))
 
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """The (T, S, context) step shapes this runner uses: the config's, with only the
@@ -446,10 +592,13 @@ class ModelRunner:
 
     def padding_inputs(
         self, num_tokens: int, num_seqs: int, context: int
-    ) -> tuple[StepInputs, SamplingInputs, RowInputs]:
-        """Inputs of a (T, S, context) step holding padding only."""
+    ) -> tuple[StepInputs, SamplingInputs, RowInputs, np.ndarray]:
+        """Inputs of a (T, S, context) step holding padding only, and its token bitmask."""
         width = sample_width(num_tokens, num_seqs, self.config.num_speculative_tokens)
-        return self.batch.padding(num_tokens, num_seqs, context // self.config.page_size, width)
+        inputs, sampling, rows = self.batch.padding(
+            num_tokens, num_seqs, context // self.config.page_size, width
+        )
+        return inputs, sampling, rows, self._host_bitmask(None, rows)
 
 
 def compile_count() -> int:

@@ -249,7 +249,7 @@ def test_bfloat16_engine_keeps_a_float16_kv_on_cpu(tiny_model):
 
 
 def test_pinned_kv_layout_path_generates_the_same_tokens(tiny_model, monkeypatch):
-    """On a TPU the runner holds the KV row-major through a jitted step whose KV argument and
+    """On a TPU the runner holds the KV row-major through a jitted forward program whose KV argument and
     result are pinned to that layout (runner.kv_row_major_format). That path, forced here on
     CPU: same greedy tokens as the plain step, the KV donated and kept in the layout, and
     its compilations counted."""
@@ -270,9 +270,12 @@ def test_pinned_kv_layout_path_generates_the_same_tokens(tiny_model, monkeypatch
         for lanes in (128, 1)
     )
     assert step_runner.num_pages == padded < plain
-    assert step_runner.step is not runner.engine_step
+    assert step_runner.forward_step is not runner.forward_step
     # one pinned step per format: a second engine shares it, and compile_count counts once
-    assert LLM(tiny_model, warm_up=False, **config).engine.runner.step is step_runner.step
+    assert (
+        LLM(tiny_model, warm_up=False, **config).engine.runner.forward_step
+        is step_runner.forward_step
+    )
     kv = step_runner.kv.pages
     assert kv.format.layout.major_to_minor == tuple(range(6))
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
