@@ -251,8 +251,8 @@ def test_bfloat16_engine_keeps_a_float16_kv_on_cpu(tiny_model):
 def test_pinned_kv_layout_path_generates_the_same_tokens(tiny_model, monkeypatch):
     """On a TPU the runner holds the KV row-major through a jitted forward program whose KV
     argument and result are pinned to that layout (runner.kv_row_major_format). That path,
-    forced here on CPU: same greedy tokens as the plain step, the KV donated and kept in the layout, and
-    its compilations counted."""
+    forced here on CPU: same greedy tokens as the plain step, the KV donated and kept in the
+    layout, and its compilations counted."""
     from ksana_jax import runner
 
     plain = LLM(tiny_model, warm_up=False, **BASE)
