@@ -130,13 +130,31 @@ class LLM:
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
+        """Applies the chat template (the model's, or `chat_template`) to each conversation,
+        then generates (vLLM's LLM.chat). `tools` (OpenAI function definitions) and
+        `chat_template_kwargs` are the template's variables; continue_final_message lets the
+        model go on with the last message (add_generation_prompt=False with it). The
+        outputs are raw text, as vLLM's: tool calls are not parsed offline."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        variables = dict(chat_template_kwargs or {})
+        if tools is not None:
+            variables["tools"] = list(tools)
         prompts = [
             self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                self.tokenizer.apply_chat_template(
+                    c,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template=chat_template,
+                    **variables,
+                ),
                 add_special_tokens=False,
             )
             for c in conversations

@@ -225,19 +225,46 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """Renders messages with the checkpoint's chat template (transformers semantics)."""
-        if not self.chat_template:
+        """Renders messages with the checkpoint's chat template, or `chat_template`
+        (transformers semantics: `kwargs` such as `tools` are template variables;
+        continue_final_message leaves the last message open for the model to go on)."""
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError("this tokenizer has no chat_template; use a plain prompt")
-        return render_chat_template(
-            self.chat_template,
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        text = render_chat_template(
+            template,
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kwargs,
         )
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages)
+        return text
+
+
+def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """`text` cut after the last message's content (what the template adds after it goes),
+    as transformers' continue_final_message does."""
+    final = messages[-1]["content"] if messages else None
+    if isinstance(final, list | tuple):  # content parts: the last one's text
+        final = final[-1]["text"]
+    if not isinstance(final, str):
+        raise ValueError("continue_final_message needs a last message with text content")
+    for needle in (final, final.strip()):
+        at = text.rfind(needle)
+        if at >= 0:
+            return text[: at + len(needle)]
+    raise ValueError(
+        "continue_final_message: the last message does not appear in the rendered chat"
+    )
 
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")

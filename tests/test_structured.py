@@ -73,12 +73,17 @@ def write_byte_tokenizer(path) -> int:
 
 
 @pytest.fixture(scope="module")
-def byte_model(tmp_path_factory):
+def byte_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_bytes") / "hf"
     write_tiny_hf(path, initializer_range=0.2, vocab_size=MODEL_VOCAB)
-    num = write_byte_tokenizer(path)  # replaces the word-level one
-    model = ksana_jax.load(path)
-    assert model.tokenizer.vocab_size == num < MODEL_VOCAB
+    write_byte_tokenizer(path)  # replaces the word-level one
+    return path
+
+
+@pytest.fixture(scope="module")
+def byte_model(byte_dir):
+    model = ksana_jax.load(byte_dir)
+    assert model.tokenizer.vocab_size < MODEL_VOCAB
     return model
 
 
@@ -165,6 +170,31 @@ def test_async_scheduling_gives_the_same_tokens(byte_model):
     check_answers(byte_model, outs)
     for a, b in zip(sync, outs, strict=True):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+
+
+def test_masks_are_filled_while_the_forward_runs(byte_model):
+    """With async scheduling, a constrained decode step dispatches its forward, then fetches
+    the step before (whose token advances the grammar), then fills its bitmask and
+    dispatches its sampling: the grammar's host work overlaps the forward."""
+    llm = LLM(byte_model, warm_up=False, async_scheduling=True, **BASE)
+    runner, events = llm.engine.runner, []
+    for name, owner in [
+        ("dispatch", runner),
+        ("fetch", runner),
+        ("bitmasks", runner.batch),
+        ("sample", runner),
+    ]:
+        method = getattr(owner, name)
+        setattr(owner, name, lambda *a, _m=method, _n=name: events.append(_n) or _m(*a))
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=so_json())
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+    overlapped = " ".join(events).count("dispatch fetch bitmasks sample")
+    assert overlapped >= len(out.outputs[0].token_ids) - 2, events
+
+
+def so_json() -> StructuredOutputsParams:
+    return StructuredOutputsParams(json=SCHEMA)
 
 
 @pytest.mark.parametrize(
@@ -286,3 +316,64 @@ def test_schema_keywords_llguidance_refuses_are_named(compiler, keyword):
     with pytest.raises(ValueError, match=r"^structured_outputs\.json is invalid") as e:
         compiler.matcher(StructuredOutputsParams(json=REFUSED[keyword]))
     assert keyword in str(e.value)
+
+
+# --------------------------------------------------------------------------- offline chat
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "description": "Pick",
+        "parameters": {
+            "type": "object",
+            "properties": {"b": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["b"],
+            "additionalProperties": False,
+        },
+    },
+}
+CHAT_BASE = {**BASE, "max_model_len": 512, "context_buckets": (512,)}
+
+
+def test_chat_renders_tools_and_a_named_tool_call_validates(byte_dir, byte_model):
+    """LLM.chat with tools (vLLM's signature): the prompt is the template rendered with the
+    tools, as transformers renders it; a structured output with the tool's parameters
+    schema (what a named tool_choice enforces) gives valid arguments; continue_final_message
+    leaves the last message open, as transformers does."""
+    import transformers
+    from test_tool_parsers import HERMES_TEMPLATE
+
+    hf = transformers.AutoTokenizer.from_pretrained(byte_dir)
+    llm = LLM(byte_model, warm_up=False, **CHAT_BASE)
+    messages = [{"role": "user", "content": "Pick b."}]
+    schema = json.dumps(TOOL["function"]["parameters"])
+    params = SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    (out,) = llm.chat(messages, params, use_tqdm=False, tools=[TOOL], chat_template=HERMES_TEMPLATE)
+    want = hf.apply_chat_template(
+        messages, tools=[TOOL], chat_template=HERMES_TEMPLATE, tokenize=False,
+        add_generation_prompt=True,
+    )  # fmt: skip
+    assert '"name": "pick"' in want
+    assert out.prompt_token_ids == hf.encode(want, add_special_tokens=False)
+    jsonschema.validate(json.loads(out.outputs[0].text), TOOL["function"]["parameters"])
+    assert out.outputs[0].finish_reason == "stop"
+
+    partial = [*messages, {"role": "assistant", "content": '{"b": '}]
+    (cont,) = llm.chat(
+        partial,
+        SamplingParams(temperature=0, max_tokens=1),
+        use_tqdm=False,
+        chat_template=HERMES_TEMPLATE,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    want = hf.apply_chat_template(
+        partial, chat_template=HERMES_TEMPLATE, tokenize=False, continue_final_message=True
+    )
+    assert want.endswith('{"b": ')
+    assert cont.prompt_token_ids == hf.encode(want, add_special_tokens=False)
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(partial, continue_final_message=True, chat_template=HERMES_TEMPLATE)
