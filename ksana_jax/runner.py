@@ -1,19 +1,26 @@
-"""The device side of a step: pad the scheduled batch to a bucket, run one jitted call.
+"""The device side of a step: pad the scheduled batch to a bucket, run two jitted programs.
 
 In: the scheduler's chunks. Out: one sampled token (+ logprobs) per row, and the prompt
 logprobs of the positions the chunks score (sampling.score_prompt). The runner owns the
 params, the KV array and the persistent batch (batch.py: host rows per slot, and the device's
-BatchState: last sampled tokens and penalty counts); the jitted step (forward + sampling)
-takes the KV and the BatchState donated and returns them, so both are updated in place.
-`execute` only dispatches the step (JAX runs it asynchronously) and returns its device
-outputs; `fetch` waits for them, so the engine can prepare and dispatch the next step first.
-Every step is padded to a (T tokens, S sequences, context) bucket from EngineConfig;
-`warm_up` compiles all of them first, so a serving workload never compiles.
+BatchState: last sampled tokens and penalty counts). A step is two programs, as SGLang's:
+
+    dispatch(chunks)          forward_step: the model; the sampled positions' logits and the
+                              scored prompt logprobs stay on the device   (KV donated)
+    finish_dispatch(step)     the token bitmask, filled now from the grammars (batch.py);
+                              sample_step: tokens, logprobs, proposals    (BatchState donated)
+    fetch(in_flight)          waits for the outputs
+
+Both only dispatch (JAX runs them asynchronously), so the engine fills the bitmask, and
+finishes the step before, while the forward runs. `engine_step` is the two composed into
+one program, for the AOT tools. Every step is padded to a (T tokens, S sequences, context)
+bucket from EngineConfig; `warm_up` compiles all of them first, so a serving workload never
+compiles.
 
 The params and KV carry the model's ShardingPlan shardings and every step's inputs are
 replicated over its mesh, the same in warm-up and serving, so sharding never recompiles.
-With several processes (multihost.py), process 0's runner sends each step's inputs to the
-others, which run the same step.
+With several processes (multihost.py), process 0's runner sends each step's inputs (its
+bitmask included, so at finish_dispatch) to the others, which run the same step.
 """
 
 from __future__ import annotations
