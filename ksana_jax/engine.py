@@ -448,6 +448,7 @@ class LLMEngine:
                 if at >= 0:
                     end = at + len(stop) if params.include_stop_str_in_output else at
                     request.text = request.text[:end]
+                    request.stop_reason = stop
                     if request.is_finished:  # at max_tokens: the stop string names the end
                         request.finish_reason = "stop"
                     else:
@@ -476,6 +477,7 @@ class LLMEngine:
                     if sample.params.logprobs is not None
                     else None,
                     finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
                     text_offsets=sample.text_offsets[start:],
                 )
             )
