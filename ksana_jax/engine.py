@@ -12,7 +12,8 @@ scheduler discards it, so outputs are the same either way.
 
 With speculative decoding (spec_decode.py) a step may add several tokens to a request; a
 stop string inside them ends the request there and drops the tokens after it. While
-speculation may propose, steps are not overlapped (proposals need the last tokens).
+speculation may propose (a running row is not turned down), steps are not overlapped
+(proposals need the last tokens).
 
 Requests come in as text or token ids with SamplingParams; a request with n > 1 runs as n
 samples sharing one request id (with the prefix cache on, samples after the first start once
@@ -309,11 +310,9 @@ class LLMEngine:
         return outputs
 
     def _speculating(self) -> bool:
-        """Speculation may propose at the next schedule (few enough requests run)."""
-        return (
-            self.speculator is not None
-            and len(self.scheduler.running) <= self.speculator.config.disable_by_batch_size
-        )
+        """Speculation may propose at the next schedule: few enough requests run and one of
+        them is not turned down."""
+        return self.speculator is not None and self.speculator.may_propose(self.scheduler.running)
 
     def _finish(self, done: _Dispatched, begin: float) -> list[RequestOutput]:
         """fetch -> update -> emit for a dispatched step."""
