@@ -15,7 +15,8 @@ rows fills their token bitmasks between its two programs, once the step before i
 
 With speculative decoding (spec_decode.py) a step may add several tokens to a request; a
 stop string inside them ends the request there and drops the tokens after it. While
-speculation may propose, steps are not overlapped (proposals need the last tokens).
+speculation may propose (a running row is not turned down), steps are not overlapped
+(proposals need the last tokens).
 
 Requests come in as text or token ids with SamplingParams; a request with n > 1 runs as n
 samples sharing one request id (with the prefix cache on, samples after the first start once
@@ -316,11 +317,9 @@ class LLMEngine:
         return outputs
 
     def _speculating(self) -> bool:
-        """Speculation may propose at the next schedule (few enough requests run)."""
-        return (
-            self.speculator is not None
-            and len(self.scheduler.running) <= self.speculator.config.disable_by_batch_size
-        )
+        """Speculation may propose at the next schedule: few enough requests run and one of
+        them is not turned down."""
+        return self.speculator is not None and self.speculator.may_propose(self.scheduler.running)
 
     def _finish(self, done: _Dispatched, begin: float) -> list[RequestOutput]:
         """fetch -> update -> emit for a dispatched step."""
@@ -455,6 +454,7 @@ class LLMEngine:
                 if at >= 0:
                     end = at + len(stop) if params.include_stop_str_in_output else at
                     request.text = request.text[:end]
+                    request.stop_reason = stop
                     if request.is_finished:  # at max_tokens: the stop string names the end
                         request.finish_reason = "stop"
                     else:
@@ -483,6 +483,7 @@ class LLMEngine:
                     if sample.params.logprobs is not None
                     else None,
                     finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
                     text_offsets=sample.text_offsets[start:],
                 )
             )

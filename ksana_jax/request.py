@@ -47,6 +47,8 @@ class Request:
     spec_acceptance: float = 1.0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stopped_on_token: bool = False  # ended by a stop token id or EOS (not part of the text)
+    # vLLM's: the stop string or stop token id that ended it; None for EOS, length, abort
+    stop_reason: str | int | None = None
     # structured output: the grammar's position (structured.GrammarMatcher), advanced by the
     # scheduler with each sampled token; None when unconstrained
     matcher: Any = None

@@ -228,11 +228,10 @@ class Scheduler:
         params = request.params
         num_out = len(request.output_token_ids)
         can_stop = num_out > params.min_tokens or num_out == params.max_tokens
-        if can_stop and (
-            token in params.stop_token_ids
-            or (token in self.eos_token_ids and not params.ignore_eos)
-        ):
+        is_eos = token in self.eos_token_ids and not params.ignore_eos
+        if can_stop and (is_eos or token in params.stop_token_ids):
             request.stopped_on_token = True
+            request.stop_reason = None if is_eos else token  # vLLM's: EOS names no reason
             self.finish(request, "stop")
         elif request.matcher is not None and _grammar_ends(request, token):
             self.finish(request, "stop")

@@ -131,20 +131,13 @@ class Speculator:
             return {}
         out = {}
         for r in requests:
-            p = r.params
-            if (
-                r.num_placeholders
-                or r.num_computed_tokens != r.num_known_tokens - 1
-                or p.repetition_penalty != 1.0
-                or p.presence_penalty != 0.0
-                or p.frequency_penalty != 0.0
-                or len(r.output_token_ids) < p.min_tokens
-                or r.matcher is not None
-            ):
+            if not _can_speculate(r):
                 continue
             if r.spec_acceptance < cfg.min_acceptance:
                 r.spec_acceptance += (1.0 - r.spec_acceptance) * ACCEPTANCE_RECOVERY
                 continue
+            if r.num_placeholders or r.num_computed_tokens != r.num_known_tokens - 1:
+                continue  # its last token is not on the host yet, or it is still prefilling
             if cfg.method == "draft_model":
                 out[r] = [DRAFTED] * cfg.num_speculative_tokens
                 continue
@@ -156,6 +149,15 @@ class Speculator:
                 out[r] = draft.tolist()
         return out
 
+    def may_propose(self, requests: Sequence) -> bool:
+        """Whether the next `propose` could propose for any of `requests` (the running ones)
+        once their last tokens are on the host: the engine finishes a step before the next
+        only then, and overlaps steps while every row is turned down."""
+        cfg = self.config
+        return len(requests) <= cfg.disable_by_batch_size and any(
+            _can_speculate(r) and r.spec_acceptance >= cfg.min_acceptance for r in requests
+        )
+
     def record(self, request, num_drafted: int, num_accepted: int) -> None:
         """Counts one verified row: num_accepted of its num_drafted proposals held."""
         self.num_drafted += num_drafted
@@ -166,3 +168,15 @@ class Speculator:
         request.spec_acceptance = ACCEPTANCE_DECAY * request.spec_acceptance + (
             1 - ACCEPTANCE_DECAY
         ) * (num_accepted / num_drafted)
+
+
+def _can_speculate(request) -> bool:
+    """Rows with penalties, below min_tokens or with a grammar never speculate (module doc)."""
+    p = request.params
+    return (
+        p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and len(request.output_token_ids) >= p.min_tokens
+        and request.matcher is None
+    )

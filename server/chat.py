@@ -100,7 +100,9 @@ async def create_chat_completion(request: Request, data: s.ChatCompletionRequest
         choices = []
         for c in out.outputs:
             message, finish_reason = answer.message(c.text, c.finish_reason)
-            choices.append(s.ChatChoice(c.index, message, logprobs(c), finish_reason))
+            choices.append(
+                s.ChatChoice(c.index, message, logprobs(c), finish_reason, c.stop_reason)
+            )
         return s.ChatCompletionResponse(request_id, created, state.model_name, choices, run.usage())
 
     progress = ChoiceProgress()
@@ -130,7 +132,8 @@ async def create_chat_completion(request: Request, data: s.ChatCompletionRequest
                 held, reason = stream.finish(c.finish_reason)
                 if held is not None:
                     result.append(chunk(s.ChatChunkChoice(c.index, held)))
-                result.append(chunk(s.ChatChunkChoice(c.index, s.Delta(), None, reason)))
+                last = s.ChatChunkChoice(c.index, s.Delta(), None, reason, c.stop_reason)
+                result.append(chunk(last))
         return result
 
     def final() -> list[s.ChatCompletionChunk]:

@@ -111,7 +111,7 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Any:
             if first and scores is not None:
                 logprobs = joined(scores, logprobs)
         text = text + c.text if first else c.text
-        return s.CompletionChoice(i * n + c.index, text, logprobs, c.finish_reason)
+        return s.CompletionChoice(i * n + c.index, text, logprobs, c.finish_reason, c.stop_reason)
 
     if not data.stream:
         finals = await collect(request, run)

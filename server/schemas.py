@@ -184,6 +184,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id that ended it
 
 
 class CompletionResponse(msgspec.Struct):
@@ -224,6 +225,7 @@ class ChatChoice(msgspec.Struct):
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -249,6 +251,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: Delta
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):

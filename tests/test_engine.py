@@ -163,6 +163,8 @@ def test_limits_and_stops(tiny_model):
     )
     assert out[0].outputs[0].token_ids == tokens[: first + 1]
     assert out[0].outputs[0].finish_reason == "stop"
+    assert out[0].outputs[0].stop_reason == stop_at  # vLLM's: the token id that ended it
+    assert free_run.finish_reason == "length" and free_run.stop_reason is None
     # min_tokens defers that stop.
     out = llm.generate(
         [prompt],
@@ -181,6 +183,7 @@ def test_limits_and_stops(tiny_model):
         [prompt], SamplingParams(temperature=0, max_tokens=12, stop=[stop]), use_tqdm=False
     )[0].outputs[0]
     assert out.finish_reason == "stop" and out.text == text[: text.find(stop)]
+    assert out.stop_reason == stop
     out = llm.generate(
         [prompt],
         SamplingParams(temperature=0, max_tokens=12, stop=stop, include_stop_str_in_output=True),

@@ -248,10 +248,21 @@ def test_stop_strings(client, llm):
     )
     assert got.choices[0].text == cut
     assert got.choices[0].finish_reason == "stop"
-    chunks = client.completions.create(
-        model=MODEL_NAME, prompt=PROMPTS[0], temperature=0, max_tokens=12, stop=stop, stream=True
-    )
+    assert got.choices[0].model_extra["stop_reason"] == stop  # vLLM's field
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS[0], temperature=0, max_tokens=12, stop=stop,
+            stream=True,
+        )
+    )  # fmt: skip
     assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+    assert [c.choices[0].model_extra["stop_reason"] for c in chunks if c.choices][-1] == stop
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "w1"}], temperature=0,
+        max_completion_tokens=12,
+    )  # fmt: skip
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.choices[0].model_extra["stop_reason"] is None
 
 
 def test_chat_streaming_and_not(client, llm):

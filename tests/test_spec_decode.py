@@ -202,6 +202,30 @@ def test_tiny_seeded_sampling_equals_without(tiny_model, async_scheduling):
     assert llm.engine.speculator.num_accepted > 0
 
 
+def test_turned_down_rows_let_async_steps_overlap(tiny_model):
+    """Random prompts: n-gram lookup keeps missing, each row's acceptance falls below
+    min_acceptance, and from then on the async engine overlaps steps (a step is still in
+    flight when `step` returns) with the same tokens as without speculation."""
+    rng = np.random.default_rng(4)
+    prompts = [[int(t) for t in rng.integers(3, TINY_VOCAB, 24)] for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = LLM(tiny_model, warm_up=False, **BASE).generate(prompts, params, use_tqdm=False)
+    spec = NGRAM | {"prompt_lookup_min": 1, "min_acceptance": 0.9}
+    llm = LLM(tiny_model, warm_up=False, speculative_config=spec, async_scheduling=True, **BASE)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    got, overlapped = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        overlapped += engine._in_flight is not None
+    assert [got[str(i)] for i in range(3)] == [w.outputs[0].token_ids for w in want]
+    assert engine.speculator.num_drafted > 0  # rows did speculate before turning down
+    assert overlapped > 10
+    assert engine.pages.num_free == engine.pages.num_usable
+
+
 def test_no_compilation_after_warm_up_with_speculation(tiny_model):
     compiles = record_compilations()
     llm = LLM(tiny_model, speculative_config=LOOKUP_1, **(BASE | {"num_pages": 70}))
