@@ -475,15 +475,13 @@ class ModelRunner:
         """Dispatches the sampling program of a step `forward` dispatched, under
         token_bitmask i32[W, ceil(V / 32)] (None: every token allowed); returns its outputs
         as device arrays (not waited for): sampled tokens, scored prompt logprobs, proposals."""
-        if token_bitmask is None:  # kept on the device: an unconstrained step sends no mask
-            width = forwarded.logits.shape[0]
-            if width not in self._all_allowed:
-                self._all_allowed[width] = self._put(
-                    np.full((width, self.batch.mask_words), -1, np.int32)
-                )
-            token_bitmask = self._all_allowed[width]
-        else:
+        width = forwarded.logits.shape[0]
+        if token_bitmask is not None:
             token_bitmask = self._put(token_bitmask)
+        else:  # kept on the device: an unconstrained step sends no mask
+            if width not in self._all_allowed:
+                self._all_allowed[width] = self._put(self.batch.bitmasks([], width))
+            token_bitmask = self._all_allowed[width]
         with self.plan.activate():
             out, self.state = sample_step(
                 forwarded, self.state, token_bitmask, self.config.max_logprobs
@@ -506,13 +504,10 @@ class ModelRunner:
         processes every one runs it with the same inputs (process 0 sends them first, see
         multihost.py)."""
         if self.channel is not None:
-            self.channel.send(inputs, sampling, rows, self._host_bitmask(token_bitmask, rows))
+            width = rows.sample_rows.shape[0]
+            mask = self.batch.bitmasks([], width) if token_bitmask is None else token_bitmask
+            self.channel.send(inputs, sampling, rows, mask)
         return self.sample(self.forward(inputs, sampling, rows), token_bitmask)
-
-    def _host_bitmask(self, token_bitmask: np.ndarray | None, rows: RowInputs) -> np.ndarray:
-        if token_bitmask is not None:
-            return token_bitmask
-        return np.full((rows.sample_rows.shape[0], self.batch.mask_words), -1, np.int32)
 
     def dispatch(self, chunks: list[ScheduledChunk]) -> Forwarding:
         """Dispatches the forward program of the step running `chunks`; `finish_dispatch`
@@ -546,11 +541,12 @@ class ModelRunner:
         """Dispatches the sampling program of a step `dispatch` began: its constrained rows'
         token bitmasks are filled now, from their grammars (up to date once the step before
         is fetched), while the forward runs on the device."""
+        width = step.forwarded.logits.shape[0]
         masks = None
-        if step.constrained:
-            masks = self.batch.bitmasks(step.chunks, step.forwarded.logits.shape[0])
+        if step.constrained or self.channel is not None:
+            masks = self.batch.bitmasks(step.chunks, width)
         if self.channel is not None:
-            self.channel.send(*step.host, self._host_bitmask(masks, step.host[2]))
+            self.channel.send(*step.host, masks)
         out = self.sample(step.forwarded, masks)
         return InFlight(out, step.num_rows, step.logprobs, step.num_scored, step.drafted)
 
@@ -605,7 +601,7 @@ class ModelRunner:
         inputs, sampling, rows = self.batch.padding(
             num_tokens, num_seqs, context // self.config.page_size, width
         )
-        return inputs, sampling, rows, self._host_bitmask(None, rows)
+        return inputs, sampling, rows, self.batch.bitmasks([], width)
 
 
 def compile_count() -> int:
