@@ -3,11 +3,12 @@
 JAX is multi-controller: each process runs the same jitted step on its own devices' shards
 of the global params and KV, and the step's collectives join them. So every process must
 run the same steps, with the same inputs, in the same order. Process 0 (the leader) owns the
-engine -- scheduler, page manager, tokenizer, HTTP server. Before each step (warm-up steps
-included) its runner sends the step's host inputs through a `StepChannel`: a header
-i32[4] = (STEP, T, S, P) and then the input arrays of that bucket shape, two
-`broadcast_one_to_all` collectives. The other processes (followers) run `follow(runner)`,
-which receives each step and runs it, until the leader sends the STOP header
+engine -- scheduler, page manager, tokenizer, HTTP server. Before each step's forward program
+(warm-up steps included) its runner sends the step's host inputs through a `StepChannel`: a
+header i32[4] = (STEP, T, S, P) and then the input arrays of that bucket shape, two
+`broadcast_one_to_all` collectives; before its sampling program, the token bitmask, a third.
+The other processes (followers) run `follow(runner)`, which receives each step and runs its
+two programs, in the leader's order, until the leader sends the STOP header
 (`StepChannel.close`, also run at exit). A follower has nothing to serve: with
 `ksana-jax serve`, only process 0 opens the HTTP port.
 
@@ -67,14 +68,18 @@ class StepChannel:
         atexit.register(self.close)  # followers must not wait forever for a step
 
     def send(self, inputs: Any, *rest: Any) -> None:
-        """Sends one step (StepInputs, then the runner's other per-step inputs, numpy arrays)
-        to the followers."""
+        """Sends one step's forward inputs (StepInputs, then the runner's other per-step
+        inputs, numpy arrays) to the followers."""
         if self._closed:
             raise RuntimeError("the step channel is closed: the followers have stopped")
         num_seqs, pages_per_seq = inputs.page_table.shape
         header = np.array([STEP, inputs.token_ids.shape[0], num_seqs, pages_per_seq], np.int32)
         broadcast_one_to_all(header)
         broadcast_one_to_all((inputs, *rest))
+
+    def send_bitmask(self, token_bitmask: np.ndarray) -> None:
+        """Sends the token bitmask of the step last sent, before its sampling program."""
+        broadcast_one_to_all(token_bitmask)
 
     def close(self) -> None:
         """Tells the followers to stop (idempotent)."""
@@ -93,7 +98,9 @@ class _Runner(Protocol):
 
     def padding_inputs(self, num_tokens: int, num_seqs: int, context: int) -> tuple[Any, ...]: ...
 
-    def execute(self, *inputs: Any) -> Any: ...
+    def forward(self, *inputs: Any) -> Any: ...
+
+    def sample(self, forwarded: Any, token_bitmask: Any) -> Any: ...
 
 
 def follow(runner: _Runner) -> int:
@@ -108,8 +115,9 @@ def follow(runner: _Runner) -> int:
         if command == STOP:
             return steps
         # Same shapes and dtypes as the leader's arrays: padding inputs of that bucket.
-        template = runner.padding_inputs(
+        *inputs, token_bitmask = runner.padding_inputs(
             num_tokens, num_seqs, pages_per_seq * runner.config.page_size
         )
-        runner.execute(*broadcast_one_to_all(template))
+        forwarded = runner.forward(*broadcast_one_to_all(tuple(inputs)))
+        runner.sample(forwarded, broadcast_one_to_all(token_bitmask))
         steps += 1

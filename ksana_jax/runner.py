@@ -19,8 +19,8 @@ compiles.
 
 The params and KV carry the model's ShardingPlan shardings and every step's inputs are
 replicated over its mesh, the same in warm-up and serving, so sharding never recompiles.
-With several processes (multihost.py), process 0's runner sends each step's inputs (its
-bitmask included, so at finish_dispatch) to the others, which run the same step.
+With several processes (multihost.py), process 0's runner sends each step's inputs, and
+then its bitmask, to the others, which run the same two programs.
 """
 
 from __future__ import annotations
@@ -322,7 +322,6 @@ class Forwarding(NamedTuple):
 
     forwarded: Forwarded
     chunks: list[ScheduledChunk]
-    host: tuple[StepInputs, SamplingInputs, RowInputs] | None  # for followers (multihost.py)
     constrained: bool  # some row samples under a grammar: its bitmask is filled at sampling
     num_rows: int
     logprobs: bool
@@ -447,7 +446,11 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs, sampling: SamplingInputs, rows: RowInputs) -> Forwarded:
         """Dispatches a step's forward program on host inputs (sampling's token bitmask is
-        not read); returns its outputs as device arrays (not waited for)."""
+        not read); returns its outputs as device arrays (not waited for). With several
+        processes every one runs it with the same inputs (process 0 sends them first, see
+        multihost.py)."""
+        if self.channel is not None:
+            self.channel.send(inputs, sampling, rows)
         buffers, layout = pack((inputs, dataclasses.replace(sampling, token_bitmask=None), rows))
         if self.plan.mesh.size > 1:  # one device: jit's own transfer of numpy is faster
             buffers = self.plan.put_replicated(buffers)
@@ -474,8 +477,13 @@ class ModelRunner:
     ) -> tuple[SampledTokens, ScoredLogprobs, jax.Array]:
         """Dispatches the sampling program of a step `forward` dispatched, under
         token_bitmask i32[W, ceil(V / 32)] (None: every token allowed); returns its outputs
-        as device arrays (not waited for): sampled tokens, scored prompt logprobs, proposals."""
+        as device arrays (not waited for): sampled tokens, scored prompt logprobs, proposals.
+        Process 0 of several sends the bitmask to the others first."""
         width = forwarded.logits.shape[0]
+        if self.channel is not None:
+            if token_bitmask is None:
+                token_bitmask = self.batch.bitmasks([], width)
+            self.channel.send_bitmask(token_bitmask)
         if token_bitmask is not None:
             token_bitmask = self._put(token_bitmask)
         else:  # kept on the device: an unconstrained step sends no mask
@@ -500,13 +508,7 @@ class ModelRunner:
         token_bitmask: np.ndarray | None = None,
     ) -> tuple[SampledTokens, ScoredLogprobs, jax.Array]:
         """Dispatches one whole step (forward, then sampling under token_bitmask) on host
-        inputs; returns its outputs as device arrays (not waited for). With several
-        processes every one runs it with the same inputs (process 0 sends them first, see
-        multihost.py)."""
-        if self.channel is not None:
-            width = rows.sample_rows.shape[0]
-            mask = self.batch.bitmasks([], width) if token_bitmask is None else token_bitmask
-            self.channel.send(inputs, sampling, rows, mask)
+        inputs; returns its outputs as device arrays (not waited for)."""
         return self.sample(self.forward(inputs, sampling, rows), token_bitmask)
 
     def dispatch(self, chunks: list[ScheduledChunk]) -> Forwarding:
@@ -529,24 +531,19 @@ class ModelRunner:
         logprobs = bool((sampling.num_logprobs[:num_positions] >= 0).any())
         num_scored = sum(c.num_scored for c in chunks)
         drafted = drafting and any(c.draft_token_ids for c in chunks)
-        # Followers (multihost.py) get the step once its bitmask is known, at sampling.
         forwarded = self.forward(inputs, sampling, rows)
-        host = (inputs, sampling, rows) if self.channel is not None else None
         constrained = any(c.samples and c.request.matcher for c in chunks)
         return Forwarding(
-            forwarded, chunks, host, constrained, num_positions, logprobs, num_scored, drafted
+            forwarded, chunks, constrained, num_positions, logprobs, num_scored, drafted
         )
 
     def finish_dispatch(self, step: Forwarding) -> InFlight:
         """Dispatches the sampling program of a step `dispatch` began: its constrained rows'
         token bitmasks are filled now, from their grammars (up to date once the step before
         is fetched), while the forward runs on the device."""
-        width = step.forwarded.logits.shape[0]
         masks = None
-        if step.constrained or self.channel is not None:
-            masks = self.batch.bitmasks(step.chunks, width)
-        if self.channel is not None:
-            self.channel.send(*step.host, masks)
+        if step.constrained:
+            masks = self.batch.bitmasks(step.chunks, step.forwarded.logits.shape[0])
         out = self.sample(step.forwarded, masks)
         return InFlight(out, step.num_rows, step.logprobs, step.num_scored, step.drafted)
 
