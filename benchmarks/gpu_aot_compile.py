@@ -67,7 +67,15 @@ from pathlib import Path
 import attention
 import jax
 import jax.numpy as jnp
-from aot_engine_step import lower_decode_step, placed, whole_kv_copies
+from aot_engine_step import (
+    describe_report,
+    engine_models,
+    lower_decode_step,
+    parse_placements,
+    placed,
+    step_report,
+    whole_kv_copies,
+)
 from jax.experimental import topologies
 
 from ksana_jax.kv_cache import KVCache, float_kv_shapes, is_quantized
@@ -158,13 +166,19 @@ GPUS = {
 
 
 @functools.cache
+def gpu_devices(gpu: str, count: int = 1) -> tuple[jax.Device, ...]:
+    """`count` GPUs of one host, only described (needs the CUDA PJRT plugin)."""
+    config = GPUS[gpu].target_config()
+    return tuple(
+        topologies.get_topology_desc(
+            platform="cuda", topology=f"1x1x{count}", target_config=config
+        ).devices
+    )
+
+
 def gpu_sharding(gpu: str) -> jax.sharding.SingleDeviceSharding:
     """A sharding onto a GPU that is only described (needs the CUDA PJRT plugin)."""
-    config = GPUS[gpu].target_config()
-    (device,) = topologies.get_topology_desc(
-        platform="cuda", topology="1x1x1", target_config=config
-    ).devices
-    return jax.sharding.SingleDeviceSharding(device)
+    return jax.sharding.SingleDeviceSharding(gpu_devices(gpu)[0])
 
 
 # ----------------------------------------------------------------------------- what XLA made
@@ -361,25 +375,24 @@ def kernel_record(gpu: str, fn, shapes, ptxas: str | None, plan=None) -> dict:
 # ----------------------------------------------------------------------------- the engine step
 
 
-def engine_step_record(gpu: str, model, backend: str) -> dict:
+def engine_step_record(model, backend: str, sharding=None) -> dict:
     """Compiles the whole engine step (a 32-row decode bucket, contexts up to 1024) with
-    `backend` for `gpu`; counts its whole-KV copies, the KV bytes it updates in place
-    (donated and aliased), its temporaries and its kernel launches."""
+    `backend`, every argument on `sharding` (one described GPU) or, None, as the model's plan
+    places it over described GPUs; counts its whole-KV copies, the KV bytes it updates in
+    place (donated and aliased), its memory per device, collectives and kernel launches."""
     lowered, kv = lower_decode_step(
-        model, backend, "gpu", gpu_sharding(gpu), kv_cache_dtype="bfloat16"
+        model, backend, "gpu", sharding, kv_cache_dtype="bfloat16"
     )  # bfloat16: what "auto" picks on a GPU for this bfloat16 model
     start = time.perf_counter()
     compiled = compile_dumped(lowered)
     seconds = time.perf_counter() - start
-    memory = compiled.executable.memory_analysis()
     kernel_counts = collections.Counter(launch.kernel for launch in compiled.launches)
     return {
         "backend": backend,
         "compile_seconds": round(seconds, 1),
         "kv_bytes": kv.size * kv.dtype.itemsize,
         "kv_copies": whole_kv_copies(compiled.executable.as_text(), kv),
-        "alias_bytes": memory.alias_size_in_bytes,
-        "temp_bytes": memory.temp_size_in_bytes,
+        **step_report(compiled.executable),
         "launches": len(compiled.launches),
         "pallas_launches": {
             name: count for name, count in kernel_counts.items() if name.endswith("_gpu")
@@ -428,6 +441,19 @@ def main() -> None:
         "--reference", action="store_true", help="also the jnp reference attention via XLA"
     )
     parser.add_argument("--engine-step", action="store_true")
+    parser.add_argument(
+        "--engine-model",
+        default="smollm2",
+        help="the engine step's model: smollm2 (the demo checkpoint) or a name of "
+        "aot_engine_step.MODEL_SHAPES (abstract weights), e.g. qwen3_30b_a3b",
+    )
+    parser.add_argument(
+        "--engine-placements",
+        default="1",
+        help="a MODEL_SHAPES model's placements: tensor-parallel sizes over described GPUs "
+        "of one host, 'ep' with expert parallelism, e.g. 1,8,8ep",
+    )
+    parser.add_argument("--engine-backends", default="reference,pallas_gpu")
     parser.add_argument("--json", help="also write every record to this file")
     args = parser.parse_args()
 
@@ -461,21 +487,21 @@ def main() -> None:
             print(_describe(record))
             records.append(record)
     if args.engine_step:
-        import ksana_jax
-        from ksana_jax.demo import demo_checkpoint
-
-        model = ksana_jax.load(demo_checkpoint(), dtype="bfloat16")
+        count = max(tp for tp, _ in parse_placements(args.engine_placements))
         for gpu in args.gpus.split(","):
-            for backend in ("reference", "pallas_gpu"):
-                record = engine_step_record(gpu, model, backend)
-                print(
-                    f"{gpu:5s} SmolLM2 engine step, {backend:10s}: compiled in "
-                    f"{record['compile_seconds']} s; {record['kv_copies']} whole-KV copies; "
-                    f"KV {record['kv_bytes'] / 1e6:.0f} MB, {record['alias_bytes'] / 1e6:.0f} MB "
-                    f"aliased; temporaries {record['temp_bytes'] / 1e6:.0f} MB; "
-                    f"{record['launches']} kernel launches {record['pallas_launches'] or ''}"
-                )
-                records.append(dict(gpu=gpu, name="engine_step", **record))
+            devices = gpu_devices(gpu, count)
+            for label, model, sharding in engine_models(
+                args.engine_model, args.engine_placements, devices
+            ):
+                for backend in args.engine_backends.split(","):
+                    record = engine_step_record(model, backend, sharding)
+                    print(
+                        f"{gpu:5s} {label} engine step, {backend}: compiled in "
+                        f"{record['compile_seconds']} s; {record['kv_copies']} whole-KV copies; "
+                        f"KV {record['kv_bytes'] / 1e6:.0f} MB; {describe_report(record)}; "
+                        f"{record['launches']} kernel launches {record['pallas_launches'] or ''}"
+                    )
+                    records.append(dict(gpu=gpu, name="engine_step", model=label, **record))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     if failures:
