@@ -114,6 +114,23 @@ def parse_placements(text: str) -> list[tuple[int, bool]]:
     return out
 
 
+def add_engine_model_arguments(parser, devices: str) -> None:
+    """The tools' --engine-model and --engine-placements (tensor-parallel sizes over
+    `devices`, words for the tool's described devices)."""
+    parser.add_argument(
+        "--engine-model",
+        default="smollm2",
+        help="the engine step's model: smollm2 (the demo checkpoint) or a name of "
+        "aot_engine_step.MODEL_SHAPES (abstract weights), e.g. qwen3_30b_a3b",
+    )
+    parser.add_argument(
+        "--engine-placements",
+        default="1",
+        help=f"a MODEL_SHAPES model's placements: tensor-parallel sizes over {devices}, "
+        "'ep' with expert parallelism, e.g. 1,8,8ep",
+    )
+
+
 def engine_models(name: str, placements: str, devices: Sequence[jax.Device]):
     """(label, model, sharding) of each engine step to compile: for "smollm2" the demo
     checkpoint (bfloat16) with every argument on the first of `devices`; for a MODEL_SHAPES

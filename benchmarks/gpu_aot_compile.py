@@ -27,7 +27,11 @@ launches and its temporaries, and for each Pallas kernel in it:
 row's K/V: hundreds of MB of temporaries, against the kernel's few).
 `--engine-step` compiles the whole SmolLM2 engine step (the demo checkpoint, a 32-row decode
 bucket) for each attention backend. For each it reports the whole-KV copies, the KV bytes
-updated in place (aliased), the temporaries, and the kernels that one step launches.
+updated in place (aliased), the memory per GPU (arguments, temporaries, outputs), the
+collectives in its HLO, and the kernels that one step launches. `--engine-model
+qwen3_30b_a3b` compiles that model's step instead (abstract weights,
+aot_engine_step.MODEL_SHAPES) at each of `--engine-placements` (e.g. 1,8,8ep: one GPU, 8 GPUs
+of one host tensor-parallel, and with expert parallelism).
 
 The plugin must match jaxlib exactly (jax 0.10.2: plugin 0.10.2). Install it beside the
 project's environment, not into it: once it is importable, every jax process tries to start
@@ -38,8 +42,8 @@ CUDA. This script sets JAX_PLATFORMS=cpu itself, which skips that.
         "jax-cuda12-pjrt==$v" "nvidia-cuda-nvcc-cu12==12.9.86"
     PYTHONPATH=.venv/gpu-aot python benchmarks/gpu_aot_compile.py [--gpus h200,a100,l4]
         [--model llama3_8b,smollm2,head256] [--dtypes bfloat16,float32,int8,float8_e4m3fn]
-        [--engine-step]
-        [--launch 4x3,8x2] [--reference] [--json results.json]
+        [--engine-step [--engine-model qwen3_30b_a3b --engine-placements 1,8,8ep]]
+        [--engine-backends pallas_gpu] [--launch 4x3,8x2] [--reference] [--json results.json]
 
 tests/test_gpu_aot.py runs it in CI (.ci/run installs the plugin as above).
 """
@@ -68,6 +72,7 @@ import attention
 import jax
 import jax.numpy as jnp
 from aot_engine_step import (
+    add_engine_model_arguments,
     describe_report,
     engine_models,
     lower_decode_step,
@@ -441,18 +446,7 @@ def main() -> None:
         "--reference", action="store_true", help="also the jnp reference attention via XLA"
     )
     parser.add_argument("--engine-step", action="store_true")
-    parser.add_argument(
-        "--engine-model",
-        default="smollm2",
-        help="the engine step's model: smollm2 (the demo checkpoint) or a name of "
-        "aot_engine_step.MODEL_SHAPES (abstract weights), e.g. qwen3_30b_a3b",
-    )
-    parser.add_argument(
-        "--engine-placements",
-        default="1",
-        help="a MODEL_SHAPES model's placements: tensor-parallel sizes over described GPUs "
-        "of one host, 'ep' with expert parallelism, e.g. 1,8,8ep",
-    )
+    add_engine_model_arguments(parser, "described GPUs of one host")
     parser.add_argument("--engine-backends", default="reference,pallas_gpu")
     parser.add_argument("--json", help="also write every record to this file")
     args = parser.parse_args()

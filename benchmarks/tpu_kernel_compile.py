@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from aot_engine_step import (
+    add_engine_model_arguments,
     describe_report,
     engine_models,
     lower_decode_step,
@@ -163,18 +164,7 @@ def main() -> None:
         help="also compile the whole engine step (--engine-model; for SmolLM2 with the KV "
         "layout pinned and not), count its whole-KV copies, memory and collectives",
     )
-    parser.add_argument(
-        "--engine-model",
-        default="smollm2",
-        help="the engine step's model: smollm2 (the demo checkpoint) or a name of "
-        "aot_engine_step.MODEL_SHAPES (abstract weights), e.g. qwen3_30b_a3b",
-    )
-    parser.add_argument(
-        "--engine-placements",
-        default="1",
-        help="a MODEL_SHAPES model's placements over the topology's chips: tensor-parallel "
-        "sizes, 'ep' with expert parallelism, e.g. 8,8ep",
-    )
+    add_engine_model_arguments(parser, "the topology's chips")
     parser.add_argument(
         "--kernels",
         action=argparse.BooleanOptionalAction,
