@@ -132,6 +132,35 @@ def test_gpu_aot_compile_pieces_work_without_the_plugin(monkeypatch):
     assert "shared_memory_per_block_optin: 101376" in config
 
 
+def test_aot_engine_step_describes_a_published_moe_model(monkeypatch):
+    """benchmarks/aot_engine_step.py (the GPU and TPU tools' engine step): Qwen3-30B-A3B's
+    shapes as abstract weights (30.5 B parameters, nothing allocated) lower to an engine step
+    that sorts each layer's tokens by expert (the grouped products a GPU runs with
+    ragged_dot); its HLO reader counts collectives, an async pair once by its result."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    aot = load_script("aot_engine_step")
+    assert aot.parse_placements("1,8,8ep") == [(1, False), (8, False), (8, True)]
+    with pytest.raises(ValueError, match="8x"):
+        aot.parse_placements("8x")
+    model = aot.abstract_model("qwen3_30b_a3b", jax.devices(), 1)
+    leaves = jax.tree.leaves(model.params)
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
+    assert 30.4e9 < sum(leaf.size for leaf in leaves) < 30.6e9
+    lowered, kv = aot.lower_decode_step(model, "reference", "gpu", kv_cache_dtype="bfloat16")
+    assert kv.shape == (48, 2, 4, 1024, 16, 128)
+    assert lowered.as_text().count("call @argsort") == 48  # one sort per MoE layer
+    hlo = (
+        "  %all-reduce.1 = f32[32,2048]{1,0} all-reduce(f32[32,2048]{1,0} %x), to_apply=%add\n"
+        "  %ags = ((f32[16,20]{1,0}, s32[16,20]{1,0}), (f32[128,20]{1,0}, s32[128,20]{1,0})) "
+        "all-gather-start(%a, %b), dimensions={0}\n"
+        "  %agd = (f32[128,20]{1,0}, s32[128,20]{1,0}) all-gather-done(%ags)\n"
+    )
+    assert aot.collectives(hlo) == {
+        "all-gather": (1, 2 * 128 * 20 * 4),
+        "all-reduce": (1, 32 * 2048 * 4),
+    }
+
+
 def test_tpu_kernel_compile_lists_the_current_kernels(monkeypatch):
     """benchmarks/tpu_kernel_compile.py needs libtpu to compile (not installed here); its
     kernel list still lowers for TPU with the kernels' current signatures."""
