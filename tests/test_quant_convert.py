@@ -195,25 +195,3 @@ def test_smollm2_int8_greedy_outputs_follow_float32(smollm2):
     )
     assert sum(n >= 8 for n in agree) >= len(prompts) // 2
     assert max(gaps, default=0.0) < 1.0
-
-
-def test_smollm2_quantized_perplexity_within_the_issues_bounds(smollm2):
-    """benchmarks/quant_perplexity.py's measure on 1,024 tokens of pydoc_data.topics (two
-    windows of 512), SmolLM2 float32 against int8 and int4 quantized at load time: the
-    issue's bounds, int8 <= 1.01x and int4 <= 1.10x (measured on 2,048 tokens: 1.002x,
-    1.056x, README)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.append(str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from quant_perplexity import perplexity, text_tokens
-
-    tokens = text_tokens(smollm2.tokenizer, 1024)
-    base = perplexity(smollm2, tokens, 512)
-    ratios = {
-        fmt: perplexity(smollm2.with_quantization(fmt), tokens, 512) / base
-        for fmt in ("int8", "int4")
-    }
-    print(f"perplexity float32 {base:.3f}; x float32: {ratios}")
-    assert 1 / 1.01 <= ratios["int8"] <= 1.01
-    assert ratios["int4"] <= 1.10
