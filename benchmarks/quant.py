@@ -9,7 +9,7 @@ the same shape; "tok/s" counts the tokens after the first over the time they too
 the first token only is subtracted: the prefill). The engine has exactly one decode shape
 per row count (token_buckets (rows, 16 x rows), so batch 1 runs a 1-row step, not the
 default engine's smallest 16-token bucket) and one context bucket of 256 tokens. The
-formats run interleaved `--repeat` times and each one's best run counts (the machine is
+formats run interleaved `--repeat` times and each one's best runs count (the machine is
 shared: one busy spell should not decide a ratio).
 "step ms" is the jitted step alone (throughput.py's `decode_step_seconds`, 1 row).
 
@@ -87,18 +87,15 @@ def build(model, rows: int, max_model_len: int) -> LLM:
     return llm
 
 
-def decode_tokens_per_second(llm: LLM, rows: int, tokens: int) -> float:
-    """Tokens/s after the first: `tokens` a row in one run, less a run of the first token
-    only (the prefill step), over the tokens after the first."""
+def generate_seconds(llm: LLM, rows: int, tokens: int) -> float:
+    """Seconds to generate `tokens` a row for `rows` requests submitted at once."""
     prompts = random_prompts(rows, llm.engine.model.config.vocab_size)
-    seconds = []
-    for n in (tokens, 1):
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds.append(time.perf_counter() - start)
-        assert all(len(o.outputs[0].token_ids) == n for o in outs)
-    return rows * (tokens - 1) / (seconds[0] - seconds[1])
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+    return seconds
 
 
 def measure(
@@ -120,6 +117,8 @@ def measure(
                     weight_bytes=quant.nbytes(model.params),
                     kernel=takes_kernel(model, rows),
                     tok_s=0.0,
+                    full_s=float("inf"),  # best run of `tokens` a row
+                    first_s=float("inf"),  # best run of the first token only (the prefill)
                     step_s=float("inf"),
                 )
             )
@@ -127,7 +126,10 @@ def measure(
         for _ in range(repeat):
             for row in mine:
                 llm = engines[row["format"]]
-                row["tok_s"] = max(row["tok_s"], decode_tokens_per_second(llm, rows, tokens))
+                row["full_s"] = min(row["full_s"], generate_seconds(llm, rows, tokens))
+                row["first_s"] = min(row["first_s"], generate_seconds(llm, rows, 1))
+                # The tokens after the first over the time they took.
+                row["tok_s"] = rows * (tokens - 1) / (row["full_s"] - row["first_s"])
                 if rows == 1:
                     row["step_s"] = min(row["step_s"], decode_step_seconds(llm, step_repeats))
             for row in mine:
