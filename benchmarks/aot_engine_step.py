@@ -53,7 +53,7 @@ NO_TOKENIZER = types.SimpleNamespace(eos_token_id=None)  # a described model has
 
 
 def load_model(name: str, quantization: str | None = None) -> Model:
-    """ "smollm2" (the demo checkpoint, loaded) or a MODEL_SHAPES name (described), in
+    """The demo checkpoint (name "smollm2", loaded) or a MODEL_SHAPES model (described), in
     bfloat16, with `quantization` (quant.py's formats) or float."""
     if name == "smollm2":
         import ksana_jax
@@ -80,7 +80,8 @@ def described_model(name: str, dtype: str = "bfloat16", quantization: str | None
 
 def largest_dequantized_matrix(model: Model) -> int:
     """Bytes of the model's largest quantized matrix dequantized to its compute dtype: a
-    step's temporaries below this hold no dequantized copy of any whole matrix."""
+    step whose temporaries stay near this dequantizes one matrix at a time at most, never a
+    whole model."""
     leaves = jax.tree.leaves(model.params, is_leaf=quant.is_quantized)
     sizes = [
         math.prod(m.shape) * jnp.dtype(m.dtype).itemsize for m in leaves if quant.is_quantized(m)
@@ -135,6 +136,9 @@ def lower_decode_step(
     return lowered, jax.ShapeDtypeStruct(kv.pages.shape, kv.pages.dtype)
 
 
+_HLO_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
 def whole_kv_copies(hlo_text: str, kv: jax.ShapeDtypeStruct) -> int:
     """How many copies of the whole KV array the compiled HLO makes."""
     hlo_type = _HLO_TYPES[jnp.dtype(kv.dtype).name]
@@ -182,9 +186,10 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", re.M)
 
 def unfused_weight_copies(hlo_text: str, model: Model) -> int:
     """How many buffers of the compiled HLO hold a whole dequantized matrix: instructions
-    outside fusions (in the entry and loop computations) whose result has one quantized
-    matrix's shape in its compute dtype. A dequantize XLA fuses into its dot produces no such
-    buffer; each one found is a matrix materialised before its product."""
+    outside fusions (in the entry and loop computations: a fusion's output, or a bitcast of
+    one) whose result has one quantized matrix's shape in its compute dtype. A dequantize XLA
+    fuses into its dot produces no such buffer; each one found is a matrix materialised
+    before its product."""
     leaves = jax.tree.leaves(model.params, is_leaf=quant.is_quantized)
     shapes = {
         f"{_HLO_TYPES[jnp.dtype(m.dtype).name]}{list(m.shape)}".replace(" ", "")
@@ -201,6 +206,3 @@ def unfused_weight_copies(hlo_text: str, model: Model) -> int:
             result = line.split(" = ", 1)[1].split(" ", 1)[0]
             count += result.split("{")[0] in shapes
     return count
-
-
-_HLO_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
