@@ -5,21 +5,23 @@ model, traced as the runner would trace it on that platform.
 The model is the demo checkpoint (SmolLM2) or one of MODEL_SHAPES: a published model's
 config with abstract weights (ShapeDtypeStructs, nothing allocated), placed by the engine's
 own sharding plan over the described devices, tensor-parallel and with or without expert
-parallelism. `step_report` gives what the compiled step says: memory (arguments,
-temporaries, outputs) and the collectives in its HLO."""
+parallelism, in bfloat16 or with its matrices quantized (quant.py's formats). `step_report`
+gives what the compiled step says: memory (arguments, temporaries, outputs), the collectives
+in its HLO, whole-KV copies and the whole dequantized matrices it materialises."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from ksana_jax import runner
+from ksana_jax import quant, runner
 from ksana_jax.batch import pack
 from ksana_jax.config import EngineConfig
 from ksana_jax.kv_cache import abstract_kv, kv_shardings
@@ -65,6 +67,22 @@ MODEL_SHAPES: dict[str, dict] = {
         eos_token_id=151645,
         dtype="bfloat16",
     ),
+    "llama3_8b": dict(  # Meta-Llama-3-8B(-Instruct)
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        bos_token_id=128000,
+        eos_token_id=[128001, 128009],
+        dtype="bfloat16",
+    ),
 }
 
 
@@ -78,10 +96,12 @@ def abstract_model(
     devices: Sequence[jax.Device],
     tensor_parallel_size: int = 1,
     enable_expert_parallel: bool = False,
+    quantization: str | None = None,
 ) -> Model:
     """MODEL_SHAPES[name] with abstract weights, placed by the engine's plan on the first
-    `tensor_parallel_size` of `devices` (described ones: nothing is allocated). Its tokenizer
-    is the demo's, a stand-in: the step's shapes do not depend on it."""
+    `tensor_parallel_size` of `devices` (described ones: nothing is allocated), every matrix
+    quantized to `quantization` if given, as load time would. Its tokenizer is the demo's, a
+    stand-in: the step's shapes do not depend on it."""
     from ksana_jax.checkpoint import read_tokenizer
     from ksana_jax.demo import demo_checkpoint
 
@@ -91,7 +111,10 @@ def abstract_model(
     plan = make_plan(config, tensor_parallel_size, devices=devices)
     dtype = jnp.dtype(config.dtype)
     flat = {
-        n: jax.ShapeDtypeStruct(shape, dtype) for n, shape in registry.param_shapes(config).items()
+        n: quant.abstract(quantization, shape, config.dtype)
+        if quantization and quant.quantizable(n, shape)
+        else jax.ShapeDtypeStruct(shape, dtype)
+        for n, shape in registry.param_shapes(config).items()
     }
     params = jax.eval_shape(lambda f: registry.params_from_flat(f, config), flat)
     params = jax.tree.map(
@@ -99,7 +122,8 @@ def abstract_model(
         params,
         plan.param_shardings(params),
     )
-    return Model(config, params, read_tokenizer(demo_checkpoint()), {}, plan)
+    tokenizer = read_tokenizer(demo_checkpoint())
+    return Model(config, params, tokenizer, {}, plan, quantization=quantization)
 
 
 def parse_placements(text: str) -> list[tuple[int, bool]]:
@@ -121,7 +145,7 @@ def add_engine_model_arguments(parser, devices: str) -> None:
         "--engine-model",
         default="smollm2",
         help="the engine step's model: smollm2 (the demo checkpoint) or a name of "
-        "aot_engine_step.MODEL_SHAPES (abstract weights), e.g. qwen3_30b_a3b",
+        "aot_engine_step.MODEL_SHAPES (abstract weights): qwen3_30b_a3b, llama3_8b",
     )
     parser.add_argument(
         "--engine-placements",
@@ -129,26 +153,33 @@ def add_engine_model_arguments(parser, devices: str) -> None:
         help=f"a MODEL_SHAPES model's placements: tensor-parallel sizes over {devices}, "
         "'ep' with expert parallelism, e.g. 1,8,8ep",
     )
+    parser.add_argument(
+        "--quantization", choices=quant.QUANTIZATIONS, help="the engine step's weights"
+    )
 
 
-def engine_models(name: str, placements: str, devices: Sequence[jax.Device]):
-    """(label, model, sharding) of each engine step to compile: for "smollm2" the demo
-    checkpoint (bfloat16) with every argument on the first of `devices`; for a MODEL_SHAPES
-    name, that model with abstract weights at each of `placements` (parse_placements) over
-    `devices`, sharding None (lower_decode_step places it by its plan)."""
+def engine_models(
+    name: str, placements: str, devices: Sequence[jax.Device], quantization: str | None = None
+):
+    """(label, model, sharding) of each engine step to compile, its matrices quantized to
+    `quantization` if given: for "smollm2" the demo checkpoint (bfloat16) with every argument
+    on the first of `devices`; for a MODEL_SHAPES name, that model with abstract weights at
+    each of `placements` (parse_placements) over `devices`, sharding None (lower_decode_step
+    places it by its plan)."""
     if name == "smollm2":
         import ksana_jax
         from ksana_jax.demo import demo_checkpoint
 
         mesh = jax.sharding.Mesh(devices[:1], ("x",))
         one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        yield "SmolLM2", ksana_jax.load(demo_checkpoint(), dtype="bfloat16"), one
+        model = ksana_jax.load(demo_checkpoint(), dtype="bfloat16", quantization=quantization)
+        yield f"SmolLM2 {quantization or 'bfloat16'}", model, one
         return
     if name not in MODEL_SHAPES:
         raise ValueError(f"unknown model {name!r}; known: smollm2, {', '.join(MODEL_SHAPES)}")
     for tp, ep in parse_placements(placements):
-        label = f"{name} tp{tp}" + (" expert-parallel" if ep else "")
-        yield label, abstract_model(name, devices, tp, ep), None
+        label = f"{name} {quantization or 'bfloat16'} tp{tp}" + (" expert-parallel" if ep else "")
+        yield label, abstract_model(name, devices, tp, ep, quantization), None
 
 
 def lower_decode_step(
@@ -225,9 +256,12 @@ def lower_decode_step(
     return lowered, jax.ShapeDtypeStruct(kv.pages.shape, kv.pages.dtype)
 
 
+_HLO_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
 def whole_kv_copies(hlo_text: str, kv: jax.ShapeDtypeStruct) -> int:
     """How many copies of the whole KV array the compiled HLO makes."""
-    hlo_type = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[jnp.dtype(kv.dtype).name]
+    hlo_type = _HLO_TYPES[jnp.dtype(kv.dtype).name]
     kv_type = hlo_type + str(list(kv.shape)).replace(" ", "")
     return len(re.findall(re.escape(kv_type) + r"\{[^}]*\} copy\(", hlo_text))
 
@@ -265,16 +299,23 @@ def _prod(dims: str) -> int:
     return out
 
 
-def step_report(compiled: jax.stages.Compiled) -> dict:
-    """A compiled step's memory per device (argument, temporaries, output, aliased bytes)
-    and its collectives (collectives())."""
+def step_report(compiled, kv: jax.ShapeDtypeStruct, model: Model) -> dict:
+    """A compiled step's (an executable's) memory per device in bytes (arguments: params, KV,
+    batch state; temporaries; outputs, aliased), its collectives (collectives()), its whole-KV
+    copies and the whole dequantized matrices it materialises (a quantized model)."""
     memory = compiled.memory_analysis()
+    hlo = compiled.as_text()
     return {
+        "kv_bytes": kv.size * kv.dtype.itemsize,
+        "kv_copies": whole_kv_copies(hlo, kv),
+        "params_bytes": quant.nbytes(model.params),
         "argument_bytes": memory.argument_size_in_bytes,
         "temp_bytes": memory.temp_size_in_bytes,
         "output_bytes": memory.output_size_in_bytes,
         "alias_bytes": memory.alias_size_in_bytes,
-        "collectives": collectives(compiled.as_text()),
+        "weight_copies": unfused_weight_copies(hlo, model),
+        "largest_dequantized": largest_dequantized_matrix(model),
+        "collectives": collectives(hlo),
     }
 
 
@@ -289,3 +330,58 @@ def describe_report(report: dict) -> str:
         f"{mb['temp_bytes']:.0f} MB, outputs {mb['output_bytes']:.0f} MB "
         f"({report['alias_bytes'] / 1e6:.0f} MB aliased); collectives: {found or 'none'}"
     )
+
+
+def memory_report(record: dict, device_bytes: float) -> str:
+    """The step's memory analysis and what of `device_bytes` is left for more KV: the device
+    holds the arguments (params, KV, batch state), the outputs not aliased to an argument, and
+    the temporaries at once."""
+    gb = {k: v / 1e9 for k, v in record.items() if k.endswith("bytes")}
+    held = gb["argument_bytes"] + gb["output_bytes"] - gb["alias_bytes"] + gb["temp_bytes"]
+    room = device_bytes / 1e9 - held
+    return (
+        f"params {gb['params_bytes']:.2f} GB; arguments {gb['argument_bytes']:.2f} GB (KV "
+        f"{gb['kv_bytes']:.2f}); outputs {gb['output_bytes']:.2f} GB ({gb['alias_bytes']:.2f} "
+        f"aliased); temporaries {gb['temp_bytes']:.3f} GB (largest matrix dequantized: "
+        f"{record['largest_dequantized'] / 1e9:.3f} GB; whole dequantized matrices "
+        f"materialised: {record['weight_copies']}); of {device_bytes / 1e9:.0f} GB: "
+        f"{room:.2f} GB left beside this step's KV, {room + gb['kv_bytes']:.2f} GB for KV in all"
+    )
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", re.M)
+
+
+def unfused_weight_copies(hlo_text: str, model: Model) -> int:
+    """How many buffers of the compiled HLO hold a whole dequantized matrix: instructions
+    outside fusions (in the entry and loop computations: a fusion's output, or a bitcast of
+    one) whose result has one quantized matrix's shape in its compute dtype. A dequantize XLA
+    fuses into its dot produces no such buffer; each one found is a matrix materialised
+    before its product."""
+    leaves = jax.tree.leaves(model.params, is_leaf=quant.is_quantized)
+    shapes = {
+        f"{_HLO_TYPES[jnp.dtype(m.dtype).name]}{list(m.shape)}".replace(" ", "")
+        for m in leaves
+        if quant.is_quantized(m)
+    }
+    fused = set(re.findall(r"calls=%?([\w.\-]+)", hlo_text))
+    count, inside = 0, False
+    for line in hlo_text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            inside = head.group(1) in fused
+        elif not inside and " = " in line:
+            result = line.split(" = ", 1)[1].split(" ", 1)[0]
+            count += result.split("{")[0] in shapes
+    return count
+
+
+def largest_dequantized_matrix(model: Model) -> int:
+    """Bytes of the model's largest quantized matrix dequantized to its compute dtype: a
+    step whose temporaries stay near this dequantizes one matrix at a time at most, never a
+    whole model."""
+    leaves = jax.tree.leaves(model.params, is_leaf=quant.is_quantized)
+    sizes = [
+        math.prod(m.shape) * jnp.dtype(m.dtype).itemsize for m in leaves if quant.is_quantized(m)
+    ]
+    return max(sizes, default=0)

@@ -31,7 +31,9 @@ updated in place (aliased), the memory per GPU (arguments, temporaries, outputs)
 collectives in its HLO, and the kernels that one step launches. `--engine-model
 qwen3_30b_a3b` compiles that model's step instead (abstract weights,
 aot_engine_step.MODEL_SHAPES) at each of `--engine-placements` (e.g. 1,8,8ep: one GPU, 8 GPUs
-of one host tensor-parallel, and with expert parallelism).
+of one host tensor-parallel, and with expert parallelism); `--engine-model llama3_8b
+--quantization int4` an int4 Llama-3-8B's, with the memory left for KV beside it and the
+whole dequantized matrices it materialises (outside fusions).
 
 The plugin must match jaxlib exactly (jax 0.10.2: plugin 0.10.2). Install it beside the
 project's environment, not into it: once it is importable, every jax process tries to start
@@ -42,8 +44,9 @@ CUDA. This script sets JAX_PLATFORMS=cpu itself, which skips that.
         "jax-cuda12-pjrt==$v" "nvidia-cuda-nvcc-cu12==12.9.86"
     PYTHONPATH=.venv/gpu-aot python benchmarks/gpu_aot_compile.py [--gpus h200,a100,l4]
         [--model llama3_8b,smollm2,head256] [--dtypes bfloat16,float32,int8,float8_e4m3fn]
-        [--engine-step [--engine-model qwen3_30b_a3b --engine-placements 1,8,8ep]]
-        [--engine-backends pallas_gpu] [--launch 4x3,8x2] [--reference] [--json results.json]
+        [--engine-step [--engine-model qwen3_30b_a3b --engine-placements 1,8,8ep]
+        [--engine-model llama3_8b --quantization int4]] [--engine-backends pallas_gpu]
+        [--launch 4x3,8x2] [--reference] [--json results.json]
 
 tests/test_gpu_aot.py runs it in CI (.ci/run installs the plugin as above).
 """
@@ -76,10 +79,10 @@ from aot_engine_step import (
     describe_report,
     engine_models,
     lower_decode_step,
+    memory_report,
     parse_placements,
     placed,
     step_report,
-    whole_kv_copies,
 )
 from jax.experimental import topologies
 
@@ -384,7 +387,9 @@ def engine_step_record(model, backend: str, sharding=None) -> dict:
     """Compiles the whole engine step (a 32-row decode bucket, contexts up to 1024) with
     `backend`, every argument on `sharding` (one described GPU) or, None, as the model's plan
     places it over described GPUs; counts its whole-KV copies, the KV bytes it updates in
-    place (donated and aliased), its memory per device, collectives and kernel launches."""
+    place (donated and aliased), its memory per device (arguments: params, KV, state;
+    outputs, temporaries), collectives, the dequantized whole matrices it materialises (a
+    quantized model) and its kernel launches."""
     lowered, kv = lower_decode_step(
         model, backend, "gpu", sharding, kv_cache_dtype="bfloat16"
     )  # bfloat16: what "auto" picks on a GPU for this bfloat16 model
@@ -395,9 +400,7 @@ def engine_step_record(model, backend: str, sharding=None) -> dict:
     return {
         "backend": backend,
         "compile_seconds": round(seconds, 1),
-        "kv_bytes": kv.size * kv.dtype.itemsize,
-        "kv_copies": whole_kv_copies(compiled.executable.as_text(), kv),
-        **step_report(compiled.executable),
+        **step_report(compiled.executable, kv, model),
         "launches": len(compiled.launches),
         "pallas_launches": {
             name: count for name, count in kernel_counts.items() if name.endswith("_gpu")
@@ -485,7 +488,7 @@ def main() -> None:
         for gpu in args.gpus.split(","):
             devices = gpu_devices(gpu, count)
             for label, model, sharding in engine_models(
-                args.engine_model, args.engine_placements, devices
+                args.engine_model, args.engine_placements, devices, args.quantization
             ):
                 for backend in args.engine_backends.split(","):
                     record = engine_step_record(model, backend, sharding)
@@ -495,6 +498,7 @@ def main() -> None:
                         f"KV {record['kv_bytes'] / 1e6:.0f} MB; {describe_report(record)}; "
                         f"{record['launches']} kernel launches {record['pallas_launches'] or ''}"
                     )
+                    print(f"      {memory_report(record, GPUS[gpu].memory_bytes)}")
                     records.append(dict(gpu=gpu, name="engine_step", model=label, **record))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))

@@ -13,8 +13,10 @@ with the KV in the TPU's default layout and pinned row-major (as the runner hold
 reports its memory per chip and collectives. `--engine-model qwen3_30b_a3b` compiles that
 model's step instead (abstract weights, aot_engine_step.MODEL_SHAPES) at each of
 `--engine-placements` over the topology's chips (e.g. 8,8ep: tensor-parallel over 8 chips,
-without and with expert parallelism); a step that needs more HBM than a chip has fails
-to compile and is reported as such.
+without and with expert parallelism), `--engine-model llama3_8b --quantization int4` an
+int4 Llama-3-8B's, with the HBM left for KV beside it and the whole dequantized matrices
+it materialises; a step that needs more HBM than a chip has fails to compile and is
+reported as such.
 
 libtpu must match jax (jax 0.10.2: libtpu 0.0.42.*). Install it beside, not into, the
 project's environment (with libtpu importable, every jax process looks for a TPU first):
@@ -22,7 +24,8 @@ project's environment (with libtpu importable, every jax process looks for a TPU
     pip install --no-deps --target /tmp/libtpu "libtpu==0.0.42.*"
     PYTHONPATH=/tmp/libtpu TPU_WORKER_HOSTNAMES=localhost \\
         python benchmarks/tpu_kernel_compile.py [--topologies v4:2x2x1,v5e:2x2,v5p:2x2x1,v6e:2x2]
-        [--engine-step [--engine-model qwen3_30b_a3b --engine-placements 8,8ep]] [--no-kernels]
+        [--engine-step [--engine-model qwen3_30b_a3b --engine-placements 8,8ep]
+        [--engine-model llama3_8b --quantization int4]] [--no-kernels]
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ from aot_engine_step import (
     describe_report,
     engine_models,
     lower_decode_step,
+    memory_report,
     placed,
     step_report,
-    whole_kv_copies,
 )
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -135,12 +138,17 @@ def compile_for(topology: str, fn, shapes) -> float:
     return time.perf_counter() - start
 
 
-def engine_step_report(model, sharding, pinned: bool) -> str:
+# One chip's HBM by device kind (data sheets).
+HBM_BYTES = {"TPU v4": 32e9, "TPU v5 lite": 16e9, "TPU v5": 95e9, "TPU v6 lite": 32e9}
+
+
+def engine_step_report(model, sharding, pinned: bool, device_kind: str) -> str:
     """Compiles the whole engine step (pallas_tpu, a 32-row decode bucket) with every argument
     on `sharding` (one chip) or, None, as the model's plan places it over the topology's
-    chips; says how many KV-sized copies it makes, its memory per chip and collectives (or
-    why it did not compile). `pinned`: the KV argument and result in row-major format, as
-    the runner holds them on a TPU."""
+    chips; says how many KV-sized copies it makes, its memory per chip against the chip's
+    HBM (`device_kind`'s), collectives and dequantized matrices (or why it did not
+    compile). `pinned`: the KV argument and result in row-major format, as the runner holds
+    them on a TPU."""
     lowered, kv = lower_decode_step(model, "pallas_tpu", "tpu", sharding, pinned=pinned)
     start = time.perf_counter()
     try:
@@ -148,10 +156,11 @@ def engine_step_report(model, sharding, pinned: bool) -> str:
     except Exception as e:  # e.g. more HBM than a chip has: report it, go on
         return f"FAILED: {str(e).splitlines()[0][:300]}"
     seconds = time.perf_counter() - start
+    record = step_report(compiled, kv, model)
     return (
-        f"compiled in {seconds:.1f} s; {whole_kv_copies(compiled.as_text(), kv)} whole-KV "
-        f"copies (KV {kv.size * kv.dtype.itemsize / 1e6:.0f} MB); "
-        + describe_report(step_report(compiled))
+        f"compiled in {seconds:.1f} s; {record['kv_copies']} whole-KV copies (KV "
+        f"{record['kv_bytes'] / 1e6:.0f} MB); {describe_report(record)}\n    "
+        + memory_report(record, HBM_BYTES.get(device_kind, float("nan")))
     )
 
 
@@ -198,11 +207,11 @@ def main() -> None:
         for topology in args.topologies.split(","):
             devices = topologies.get_topology_desc(topology, "tpu").devices
             for label, model, sharding in engine_models(
-                args.engine_model, args.engine_placements, devices
+                args.engine_model, args.engine_placements, devices, args.quantization
             ):
                 for pinned in (False, True) if args.engine_model == "smollm2" else (True,):
                     layout = "KV pinned row-major" if pinned else "KV in default layout"
-                    report = engine_step_report(model, sharding, pinned)
+                    report = engine_step_report(model, sharding, pinned, devices[0].device_kind)
                     print(f"{topology:10s} {label} engine step, {layout}: {report}")
     if failures:
         raise SystemExit(f"{failures} kernel(s) failed to compile")
