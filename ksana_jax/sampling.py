@@ -10,7 +10,9 @@ Every option is data (a per-row array), never structure, so one compiled step se
 mix of requests. Work no row of the batch needs is skipped with `lax.cond` on that data:
 the vocabulary sort when every row is greedy, the penalty-count gathers when no row has a
 penalty, log-softmax and top-N when no row wants logprobs (on CPU these passes over [S, V]
-took ~45 ms of a 64-row SmolLM2 decode step). A row's randomness is
+took ~45 ms of a 64-row SmolLM2 decode step). A batch of plain greedy rows (the common
+serving case) skips all of it at once: one `lax.cond` takes only the argmax, which reduces
+blocks of the vocabulary first (`_argmax`). A row's randomness is
 `fold_in(key(seed), num_generated)` and its noise is
 indexed by token id, so a request's tokens depend only on its seed and its own history,
 not on what else is in the batch. Logprobs are those of the model's raw distribution
