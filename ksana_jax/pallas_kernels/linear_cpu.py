@@ -71,6 +71,19 @@ def takes(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> bool:
     return (mesh.empty or mesh.size == 1) and available()
 
 
+def takes_one_row(params) -> bool:
+    """Whether `layers.linear` runs some matrix of `params` (a params pytree, layers possibly
+    stacked) through the kernel at one row on this machine: then a 1-token step is worth
+    compiling for batch-1 decode (runner.py). False on a mesh of several devices."""
+    if not ENABLED or jax.default_backend() != "cpu" or jax.device_count() > 1:
+        return False
+    for w in jax.tree.leaves(params, is_leaf=quant.is_quantized):
+        fmt = w.format if quant.is_quantized(w) else jnp.dtype(w.dtype).name
+        if len(w.shape) >= 2 and MAX_ROWS.get(fmt, 0) >= 1:
+            return available()
+    return False
+
+
 def _operands(w: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, jax.Array, jax.Array]:
     none = jnp.zeros((0, 0), jnp.float32)
     if isinstance(w, quant.Int8Matrix):
