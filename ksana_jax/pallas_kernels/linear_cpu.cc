@@ -38,6 +38,9 @@ namespace {
 
 constexpr int kLanes = 16;     // floats per vector (one AVX-512 register, two AVX2 ones)
 constexpr int kOutBlock = 4;   // weight rows per register tile
+// The direct paths prefetch the weight rows this far ahead (a prefetch past W's end is
+// dropped: it does not fault).
+constexpr int kPrefetchRows = 2 * kOutBlock;
 constexpr int kChunk = 512;    // columns dequantized at a time (a multiple of 32)
 // Products of fewer weight bytes run on the caller's thread alone: on this repo's loaded
 // 2-core machine XLA's pool threads started 0.1-10 ms after being scheduled, later than a
@@ -241,8 +244,10 @@ void tile_dot_bf16(const Problem& pb, int64_t r0, const uint16_t* const* w, floa
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (pb.in % 32)) - 1);
   for (int64_t k = 0; k < pb.in; k += 32) {
     __m512i wv[kOutBlock];
-    for (int j = 0; j < kOutBlock; ++j)
+    for (int j = 0; j < kOutBlock; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + kPrefetchRows * pb.in + k), _MM_HINT_T0);
       wv[j] = k < full ? _mm512_loadu_si512(w[j] + k) : _mm512_maskz_loadu_epi16(tail, w[j] + k);
+    }
     for (int r = 0; r < RT; ++r) {
       const __m512i xv = _mm512_loadu_si512(pb.x_bf16 + (r0 + r) * pb.x_bf16_stride + k);
       for (int j = 0; j < kOutBlock; ++j)
@@ -284,8 +289,10 @@ void tile_dot_f32(const Problem& pb, int64_t r0, const float* const* w, float* a
   const __mmask16 tail = static_cast<__mmask16>((1u << (pb.in % kLanes)) - 1);
   for (int64_t k = 0; k < pb.in; k += kLanes) {
     __m512 wv[kOutBlock];
-    for (int j = 0; j < kOutBlock; ++j)
+    for (int j = 0; j < kOutBlock; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + kPrefetchRows * pb.in + k), _MM_HINT_T0);
       wv[j] = k < full ? _mm512_loadu_ps(w[j] + k) : _mm512_maskz_loadu_ps(tail, w[j] + k);
+    }
     for (int r = 0; r < RT; ++r) {
       const __m512 xv = _mm512_loadu_ps(pb.x + (r0 + r) * pb.x_stride + k);
       for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_fmadd_ps(xv, wv[j], sums[r][j]);
@@ -353,6 +360,7 @@ void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
           left >= 32 ? 0xffff : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
       for (int j = 0; j < kOutBlock; ++j) {
         const int8_t* w = reinterpret_cast<const int8_t*>(pb.w) + rows[j] * pb.in + k;
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * pb.in), _MM_HINT_T0);
         // Masked loads only at the tail: from memory they were ~10x slower here.
         const __m128i b_lo = left >= 32 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w))
                                         : _mm_maskz_loadu_epi8(m_lo, w);
@@ -370,8 +378,9 @@ void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
         const int64_t gi = rows[j] * pb.groups + k / 32;
         const __m512 sc = _mm512_set1_ps(scale_value(pb.scales, pb.scales_f16, gi));
         const __m512 mn = _mm512_set1_ps(scale_value(pb.mins, pb.mins_f16, gi));
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-            reinterpret_cast<const uint8_t*>(pb.w) + (rows[j] * pb.in + k) / 2));
+        const uint8_t* w = reinterpret_cast<const uint8_t*>(pb.w) + (rows[j] * pb.in + k) / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * pb.in / 2), _MM_HINT_T0);
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
         const __m128i q_lo = _mm_and_si128(b, low4);
         const __m128i q_hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
         lo[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_lo)), sc, mn);
