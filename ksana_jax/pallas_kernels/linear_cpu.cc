@@ -10,8 +10,11 @@
 //
 // Work items: disjoint ranges of weight rows (output features), spread over XLA's intra-op
 // thread pool for a large W (kParallelBytes), so every core streams its own part of W, each
-// weight byte read once. An item
-// walks its rows kOutBlock at a time, and each block kChunk columns at a time:
+// weight byte read once. An item walks its rows kOutBlock at a time. The direct paths --
+// bfloat16 (vdpbf16ps), float32 (FMA), and int8 / int4 at up to kRowTile rows -- multiply
+// the block's rows straight from memory (dequantized in registers), prefetching
+// kPrefetchRows ahead. Otherwise (int8 / int4 at more rows, or no AVX512-BF16) each block
+// goes kChunk columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
 //            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;
 //   phase 2  for every kRowTile of x's rows (read from L1 / L2), a register tile of
