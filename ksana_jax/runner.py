@@ -255,9 +255,10 @@ def _bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
 
 def _with_decode_bucket(config: EngineConfig, model: Model) -> EngineConfig:
     """`config` with a 1-token bucket first when its token buckets are the derived default
-    (left unset, or set to exactly those) and linear_cpu's kernel takes the model's matrices at one row (bfloat16 or quantized
-    weights on a CPU): batch-1 decode then streams them through the kernel instead of
-    padding to 16 rows for XLA's dot (one more compiled shape: the fewest sequences)."""
+    (left unset, or set to exactly those) and linear_cpu's kernel takes the model's matrices
+    at one row (bfloat16 or quantized weights on a CPU): batch-1 decode then streams them
+    through the kernel instead of padding to 16 rows for XLA's dot (one more compiled shape:
+    the fewest sequences)."""
     derived = dataclasses.replace(config, token_buckets=()).token_buckets
     if config.token_buckets != derived or derived[0] == 1:
         return config

@@ -1,6 +1,7 @@
 """The CPU linear kernel (pallas_kernels/linear_cpu.cc) against its jnp reference
-(dequantize, then a float32 dot) for every weight format and product dtype, on random shapes whose O and I are
-not multiples of the kernel's vector width, register tile or column chunk, rows 1-16."""
+(dequantize, then a float32 dot) for every weight format and product dtype, on random shapes
+whose O and I are not multiples of the kernel's vector width, register tile or column chunk,
+rows 1-16."""
 
 from __future__ import annotations
 
