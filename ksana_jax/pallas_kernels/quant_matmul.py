@@ -109,13 +109,16 @@ def _tpu_kernel(x_lo_ref, x_hi_ref, packed_ref, scales_ref, mins_ref, out_ref):
     out_ref[...] = acc
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("block_m", "block_n", "vmem_limit_bytes", "interpret")
+)
 def matmul_tpu(
     x: jax.Array,
     w: Int4Matrix,
     *,
     block_m: int = 256,
     block_n: int = 256,
+    vmem_limit_bytes: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """x [M, I] (float32 or bfloat16) . dequantize(w)^T -> f32[M, O] on a TPU.
@@ -149,7 +152,9 @@ def matmul_tpu(
         ],
         out_specs=pl.BlockSpec((block_m, block_n), lambda r, n: (r, n)),
         out_shape=jax.ShapeDtypeStruct((rows, o), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=vmem_limit_bytes
+        ),
         interpret=interpret,
         name="int4_matmul_tpu",
     )(x_lo, x_hi, w.packed, *bits)
