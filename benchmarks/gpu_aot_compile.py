@@ -67,9 +67,17 @@ from pathlib import Path
 import attention
 import jax
 import jax.numpy as jnp
-from aot_engine_step import lower_decode_step, placed, whole_kv_copies
+from aot_engine_step import (
+    MODEL_SHAPES,
+    load_model,
+    lower_decode_step,
+    memory_record,
+    memory_report,
+    placed,
+)
 from jax.experimental import topologies
 
+from ksana_jax import quant
 from ksana_jax.kv_cache import KVCache, float_kv_shapes, is_quantized
 from ksana_jax.pallas_kernels import (
     paged_attention_gpu,
@@ -364,22 +372,19 @@ def kernel_record(gpu: str, fn, shapes, ptxas: str | None, plan=None) -> dict:
 def engine_step_record(gpu: str, model, backend: str) -> dict:
     """Compiles the whole engine step (a 32-row decode bucket, contexts up to 1024) with
     `backend` for `gpu`; counts its whole-KV copies, the KV bytes it updates in place
-    (donated and aliased), its temporaries and its kernel launches."""
+    (donated and aliased), its arguments (params, KV, state), outputs and temporaries, the
+    dequantized whole matrices it materialises (a quantized model) and its kernel launches."""
     lowered, kv = lower_decode_step(
         model, backend, "gpu", gpu_sharding(gpu), kv_cache_dtype="bfloat16"
     )  # bfloat16: what "auto" picks on a GPU for this bfloat16 model
     start = time.perf_counter()
     compiled = compile_dumped(lowered)
     seconds = time.perf_counter() - start
-    memory = compiled.executable.memory_analysis()
     kernel_counts = collections.Counter(launch.kernel for launch in compiled.launches)
     return {
         "backend": backend,
         "compile_seconds": round(seconds, 1),
-        "kv_bytes": kv.size * kv.dtype.itemsize,
-        "kv_copies": whole_kv_copies(compiled.executable.as_text(), kv),
-        "alias_bytes": memory.alias_size_in_bytes,
-        "temp_bytes": memory.temp_size_in_bytes,
+        **memory_record(compiled.executable, kv, model),
         "launches": len(compiled.launches),
         "pallas_launches": {
             name: count for name, count in kernel_counts.items() if name.endswith("_gpu")
@@ -428,6 +433,15 @@ def main() -> None:
         "--reference", action="store_true", help="also the jnp reference attention via XLA"
     )
     parser.add_argument("--engine-step", action="store_true")
+    parser.add_argument(
+        "--engine-model",
+        default="smollm2",
+        choices=["smollm2", *MODEL_SHAPES],
+        help="the engine step's model: the demo checkpoint, or shapes without weights",
+    )
+    parser.add_argument(
+        "--quantization", choices=quant.QUANTIZATIONS, help="the engine step's weights"
+    )
     parser.add_argument("--json", help="also write every record to this file")
     args = parser.parse_args()
 
@@ -461,20 +475,19 @@ def main() -> None:
             print(_describe(record))
             records.append(record)
     if args.engine_step:
-        import ksana_jax
-        from ksana_jax.demo import demo_checkpoint
-
-        model = ksana_jax.load(demo_checkpoint(), dtype="bfloat16")
+        model = load_model(args.engine_model, args.quantization)
+        what = f"{args.engine_model} {args.quantization or 'bfloat16'}"
         for gpu in args.gpus.split(","):
             for backend in ("reference", "pallas_gpu"):
                 record = engine_step_record(gpu, model, backend)
                 print(
-                    f"{gpu:5s} SmolLM2 engine step, {backend:10s}: compiled in "
+                    f"{gpu:5s} {what} engine step, {backend:10s}: compiled in "
                     f"{record['compile_seconds']} s; {record['kv_copies']} whole-KV copies; "
                     f"KV {record['kv_bytes'] / 1e6:.0f} MB, {record['alias_bytes'] / 1e6:.0f} MB "
                     f"aliased; temporaries {record['temp_bytes'] / 1e6:.0f} MB; "
                     f"{record['launches']} kernel launches {record['pallas_launches'] or ''}"
                 )
+                print(f"      {memory_report(record, GPUS[gpu].memory_bytes)}")
                 records.append(dict(gpu=gpu, name="engine_step", **record))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))

@@ -29,10 +29,18 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from aot_engine_step import lower_decode_step, placed, whole_kv_copies
+from aot_engine_step import (
+    MODEL_SHAPES,
+    load_model,
+    lower_decode_step,
+    memory_record,
+    memory_report,
+    placed,
+)
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ksana_jax.config import QUANTIZATIONS
 from ksana_jax.kv_cache import KVCacheSpec, abstract_kv, float_kv_shapes
 from ksana_jax.pallas_kernels import ragged_paged_attention_tpu, write_kv_pages_tpu
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
@@ -122,10 +130,15 @@ def compile_for(topology: str, fn, shapes) -> float:
     return time.perf_counter() - start
 
 
+# One chip's HBM by device kind (data sheets).
+HBM_BYTES = {"TPU v4": 32e9, "TPU v5 lite": 16e9, "TPU v5": 95e9, "TPU v6 lite": 32e9}
+
+
 def engine_step_report(topology: str, model, pinned: bool) -> str:
     """Compiles the whole engine step (pallas_tpu, a 32-row decode bucket) for `topology`
-    and says how many KV-sized copies and how much temporary memory it has. `pinned`: the
-    KV argument and result in row-major format, as the runner holds them on a TPU."""
+    and says how many KV-sized copies it has, and its memory analysis against the chip's
+    memory. `pinned`: the KV argument and result in row-major format, as the runner holds
+    them on a TPU."""
     from ksana_jax import runner
 
     replicated = one_chip(topology)
@@ -138,10 +151,11 @@ def engine_step_report(topology: str, model, pinned: bool) -> str:
     start = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    record = memory_record(compiled, kv, model)
+    chip = one_chip(topology).mesh.devices.flat[0]
     return (
-        f"compiled in {seconds:.1f} s; {whole_kv_copies(compiled.as_text(), kv)} whole-KV "
-        f"copies; temporaries {temp / 1e6:.0f} MB (KV {kv.size * kv.dtype.itemsize / 1e6:.0f} MB)"
+        f"compiled in {seconds:.1f} s; {record['kv_copies']} whole-KV copies\n    "
+        + memory_report(record, HBM_BYTES.get(chip.device_kind, float("nan")))
     )
 
 
@@ -151,8 +165,17 @@ def main() -> None:
     parser.add_argument(
         "--engine-step",
         action="store_true",
-        help="also compile the whole SmolLM2 engine step (the demo checkpoint), KV layout "
-        "pinned and not, and count its whole-KV copies",
+        help="also compile the whole engine step (--engine-model), KV layout pinned and "
+        "not, and count its whole-KV copies",
+    )
+    parser.add_argument(
+        "--engine-model",
+        default="smollm2",
+        choices=["smollm2", *MODEL_SHAPES],
+        help="the engine step's model: the demo checkpoint, or shapes without weights",
+    )
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATIONS, help="the engine step's weights (quant.py)"
     )
     args = parser.parse_args()
     try:
@@ -177,15 +200,13 @@ def main() -> None:
                     dtype_name = jnp.dtype(dtype).name + (f"/{kv_dtype}" if kv_dtype else "")
                     print(f"{topology:10s} {name:10s} {dtype_name:22s} {kernel:17s} {result}")
     if args.engine_step:
-        import ksana_jax
-        from ksana_jax.demo import demo_checkpoint
-
-        model = ksana_jax.load(demo_checkpoint(), dtype="bfloat16")
+        model = load_model(args.engine_model, args.quantization)
+        what = f"{args.engine_model} {args.quantization or 'bfloat16'}"
         for topology in args.topologies.split(","):
             for pinned in (False, True):
                 layout = "KV pinned row-major" if pinned else "KV in default layout"
                 report = engine_step_report(topology, model, pinned)
-                print(f"{topology:10s} SmolLM2 engine step, {layout}: {report}")
+                print(f"{topology:10s} {what} engine step, {layout}: {report}")
     if failures:
         raise SystemExit(f"{failures} kernel(s) failed to compile")
 

@@ -176,3 +176,22 @@ def test_linear_cpu_pieces_run():
         xla = bench.chain(bench.xla_linear)(x, weights)
         np.testing.assert_allclose(kernel, xla, rtol=1e-4, atol=1e-3)
         assert bench.time_chain(bench.chain(bench.linear_cpu.linear), x, weights, 1) > 0
+
+
+def test_quant_pieces_run_on_the_engine(tmp_path, capsys):
+    """benchmarks/quant.py on a tiny random Llama: every format at batch 1, the floor table
+    and the ratios; at 1 row every matrix goes through the C++ kernel (when it builds)."""
+    from ksana_jax.pallas_kernels import linear_cpu
+
+    quant_bench = load_script("quant")
+    write_tiny_hf(tmp_path / "hf", intermediate_size=128, eos_token_id=None)
+    results = quant_bench.measure(tmp_path / "hf", ["bfloat16", "int8", "int4"], [1], 24, 1, 128, 1)
+    assert [r["format"] for r in results] == ["bfloat16", "int8", "int4"]
+    assert all(r["tok_s"] > 0 and 0 < r["step_s"] < 10 for r in results)
+    bf16, int8, int4 = (r["weight_bytes"] for r in results)
+    assert int4 < int8 < bf16
+    if linear_cpu.available():
+        assert all(r["kernel"] for r in results)
+    quant_bench.report(results, 1e10, 24)
+    out = capsys.readouterr().out
+    assert "batch 1: int4 / bfloat16" in out and "below its floor" in out

@@ -39,7 +39,9 @@ def test_the_plugin_matches_jaxlib():
 
 def run_tool(tmp_path: Path, *args: str) -> list[dict]:
     out = tmp_path / "records.json"
-    env = {**os.environ, "PYTHONPATH": str(PLUGIN_DIR), "JAX_PLATFORMS": "cpu"}
+    # This checkout's ksana_jax, whichever one the environment has installed.
+    path = os.pathsep.join([str(PLUGIN_DIR), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, str(TOOL), "--json", str(out), *args],
         capture_output=True,
@@ -171,3 +173,23 @@ def test_engine_step_updates_the_kv_in_place(h200_records):
         "write_kv_pages_gpu": 30,
     }
     assert steps["reference"]["pallas_launches"] == {}
+
+
+def test_int4_llama3_8b_step_fits_an_l4_with_room_for_kv(tmp_path):
+    """The whole decode step of a Llama-3-8B-shaped model with int4 weights (shapes only, no
+    checkpoint), compiled for an L4: params, KV, batch state, outputs not aliased and
+    temporaries leave most of its 24 GB for KV, and the temporaries hold at most one
+    dequantized matrix at a time (the largest, the LM head), never a dequantized model."""
+    only = ["--gpus", "l4", "--model", "smollm2", "--dtypes", "bfloat16", "--workloads", "decode"]
+    records = run_tool(
+        tmp_path, *only, "--engine-step", "--engine-model", "llama3_8b", "--quantization", "int4"
+    )
+    steps = [r for r in records if r["name"] == "engine_step"]
+    assert {s["backend"] for s in steps} == {"reference", "pallas_gpu"}
+    for step in steps:
+        assert step["kv_copies"] == 0, step
+        assert step["params_bytes"] < 5.5e9  # 8.0e9 weights at 0.625 bytes (+ norms)
+        held = step["argument_bytes"] + step["output_bytes"] - step["alias_bytes"]
+        held += step["temp_bytes"]
+        assert 24e9 - held + step["kv_bytes"] > 12e9, step  # KV for ~90k tokens in bf16
+        assert step["temp_bytes"] < 1.1 * step["largest_dequantized"], step
