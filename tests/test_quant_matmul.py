@@ -46,6 +46,14 @@ def test_gpu_kernel_equals_dequantize_then_dot(shape, dtype):
     close(quant_matmul.matmul_gpu(x, w, interpret=True), want)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gpu_kernel_splits_the_input_dim(splits):
+    """Programs sharing an output tile over uneven slices of the input dim (20 steps of 64
+    packed columns in 3 splits: 7, 7, 6) sum to the whole product."""
+    x, w, want = case(2, 40, 2560, "float32", seed=3)
+    close(quant_matmul.matmul_gpu(x, w, splits=splits, interpret=True), want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", TPU_SHAPES)
 def test_tpu_kernel_equals_dequantize_then_dot(shape, dtype):

@@ -26,7 +26,10 @@ come in as their int16 bits (a free bitcast) and are widened in the kernel.
 GPU (`matmul_gpu`): Triton tiles [block_m, block_n] of y; each program loops over the input
 dim `block_k` packed columns at a time (masked loads: any M, O, and I a multiple of 32),
 loading each byte's scale and min with a gather of column // 16 (16 lanes share an
-address), and accumulates in float32. Float32 x multiplies with 3xTF32 (float32 accuracy).
+address), and accumulates in float32. With few output tiles (decode's one row tile)
+`splits` programs share a tile, each over a slice of the input dim, and their partial
+products are summed after the kernel, so every SM streams weights. Float32 x multiplies
+with 3xTF32 (float32 accuracy).
 
 Both are checked against `quant.dequantize` then a dot in tests/test_quant_matmul.py (in
 Pallas's interpreter on CPU) and compiled for an L4 / H200 and a v5e without the hardware by
@@ -47,6 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 from ksana_jax.quant import GROUP_SIZE, Int4Matrix
 
 HALF = GROUP_SIZE // 2  # packed bytes per group
+MIN_PROGRAMS = 512  # GPU programs to aim for (an H200 has 132 SMs, each holds 3-4)
 CHUNK_TPU = 512  # packed columns a TPU program dequantizes at once (1,024 inputs)
 
 
@@ -109,9 +113,7 @@ def _tpu_kernel(x_lo_ref, x_hi_ref, packed_ref, scales_ref, mins_ref, out_ref):
     out_ref[...] = acc
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block_m", "block_n", "vmem_limit_bytes", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "vmem_limit_bytes", "interpret"))
 def matmul_tpu(
     x: jax.Array,
     w: Int4Matrix,
@@ -207,15 +209,30 @@ def _gpu_kernel(
             )
         return acc
 
-    acc = lax.fori_loop(0, pl.cdiv(half, block_k), step, jnp.zeros((block_m, block_n), jnp.float32))
+    steps = pl.cdiv(half, block_k)
+    per_split = pl.cdiv(steps, pl.num_programs(2))
+    first = pl.program_id(2) * per_split
+    last = jnp.minimum(first + per_split, steps)
+    acc = lax.fori_loop(first, last, step, jnp.zeros((block_m, block_n), jnp.float32))
+    split = jnp.full((block_m, block_n), pl.program_id(2), jnp.int32)
     plgpu.store(
-        out_ref.at[rows[:, None], outs[None, :]], acc, mask=row_ok[:, None] & out_ok[None, :]
+        out_ref.at[split, rows[:, None], outs[None, :]],
+        acc,
+        mask=row_ok[:, None] & out_ok[None, :],
     )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret"),
+    static_argnames=(
+        "block_m",
+        "block_n",
+        "block_k",
+        "splits",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
 )
 def matmul_gpu(
     x: jax.Array,
@@ -224,6 +241,7 @@ def matmul_gpu(
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
+    splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
     interpret: bool = False,
@@ -232,7 +250,10 @@ def matmul_gpu(
 
     block_m: rows of x a program multiplies (default: M rounded up to a power of two, 16
     to 64); block_n: output columns; block_k: packed columns per loop step (2 * block_k
-    inputs). All powers of two (Triton's blocks)."""
+    inputs). All powers of two (Triton's blocks). splits: programs sharing each output tile,
+    each over a slice of the input dim, their float32 partial products summed after the
+    kernel (default: enough for MIN_PROGRAMS programs, so decode's one row tile still
+    reads the weights on every SM)."""
     m, i = x.shape
     o = w.shape[0]
     if w.shape[1] != i:
@@ -247,11 +268,16 @@ def matmul_gpu(
     kernel = functools.partial(
         _gpu_kernel, block_m=block_m, block_n=block_n, block_k=block_k, precision=precision
     )
-    return pl.pallas_call(
+    tiles = (pl.cdiv(m, block_m), pl.cdiv(o, block_n))
+    if splits is None:  # enough programs to fill a large GPU, each at least 8 steps long
+        steps = pl.cdiv(i // 2, block_k)
+        splits = max(1, min(MIN_PROGRAMS // (tiles[0] * tiles[1]), steps // 8))
+    out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(m, block_m), pl.cdiv(o, block_n)),
-        out_shape=jax.ShapeDtypeStruct((m, o), jnp.float32),
+        grid=(*tiles, splits),
+        out_shape=jax.ShapeDtypeStruct((splits, m, o), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="int4_matmul_gpu",
     )(x_lo, x_hi, w.packed, w.scales, w.mins)
+    return out[0] if splits == 1 else jnp.sum(out, axis=0)
