@@ -7,9 +7,9 @@ rows, a 256-row prefill chunk) it compiles `matmul_gpu` / `matmul_tpu` with bflo
 and prints whether it compiled, and:
   - GPU (XLA:GPU with jaxlib's Triton, as gpu_aot_compile.py): the kernel's grid, shared
     memory per program, registers and spills (with a ptxas at hand), programs per SM;
-  - TPU (libtpu's Mosaic, as tpu_kernel_compile.py): the scoped VMEM the kernel needs
-    (read off Mosaic's error when compiled under a 1 MiB limit), then the compile under
-    the default limit;
+  - TPU (libtpu's Mosaic, as tpu_kernel_compile.py): the least scoped VMEM limit the
+    kernel compiles under (whole MiB, by bisection; v5e's default limit is 16 MiB), then
+    the compile under the default limit;
   - both: the temporaries of the whole compiled function, and how many buffers of the
     compiled HLO (outside fusions) have the dequantized matrix's shape (bf16[O, I]): 0
     means no dequantized weight is materialised; the temporaries stay far below one
@@ -31,7 +31,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin's check would f
 import argparse
 import functools
 import json
-import re
 import time
 import types
 from pathlib import Path
@@ -81,29 +80,33 @@ def gpu_record(gpu: str, args: list, ptxas) -> dict:
     return record
 
 
-_VMEM = re.compile(r"Scoped allocation with size ([\d.]+)([KMG]?)")
+def compiles_under(args: list, vmem_limit_bytes: int) -> bool:
+    fn = functools.partial(quant_matmul.matmul_tpu, vmem_limit_bytes=vmem_limit_bytes)
+    try:
+        jax.jit(fn).lower(*args).compile()
+    except Exception as e:
+        if "CompileTimeScopedVmemOom" in str(e):
+            return False
+        raise
+    return True
 
 
 def tpu_record(topology: str, args: list) -> dict:
     from tpu_kernel_compile import one_chip
 
     placed_args = placed(args, one_chip(topology))
-    record = {}
-    small = functools.partial(quant_matmul.matmul_tpu, vmem_limit_bytes=1 << 20)
-    try:
-        jax.jit(small).lower(*placed_args).compile()
-        record["vmem_bytes"] = "< 1 MiB"
-    except Exception as e:
-        found = _VMEM.search(str(e))
-        if found:
-            scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[found[2]]
-            record["vmem_bytes"] = int(float(found[1]) * scale)
     start = time.perf_counter()
     try:
         executable = quant_matmul.matmul_tpu.lower(*placed_args).compile()
     except Exception as e:  # report every shape, then fail at the end
         return {"compiled": False, "error": str(e).splitlines()[0][:300]}
-    record.update(compiled=True, seconds=round(time.perf_counter() - start, 1))
+    record = dict(compiled=True, seconds=round(time.perf_counter() - start, 1))
+    # The least scoped VMEM (whole MiB, up to 64) the kernel compiles under, by bisection.
+    low, high = 0, 64
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if compiles_under(placed_args, middle << 20) else (middle, high)
+    record["vmem_mib"] = high
     record.update(weight_buffers(executable, args[1]))
     return record
 
@@ -116,9 +119,8 @@ def describe(record: dict) -> str:
         f"{record['temp_bytes'] / 1e6:8.2f} {record['dequantized_bytes'] / 1e6:8.1f} "
         f"{record['dequantized_buffers']:>5d}  "
     )
-    if "vmem_bytes" in record:
-        vmem = record["vmem_bytes"]
-        return row + f"VMEM {vmem / 2**20:.2f} MiB" if isinstance(vmem, int) else row + vmem
+    if "vmem_mib" in record:
+        return row + f"least VMEM limit it compiles under: {record['vmem_mib']} MiB"
     (kernel,) = record["kernels"]
     return row + (
         f"grid {kernel['grid']}, {kernel['warps']} warps, shared {kernel['shared_bytes'] // 1024}"
