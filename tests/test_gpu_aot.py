@@ -194,6 +194,7 @@ def test_int4_llama3_8b_step_fits_an_l4_with_room_for_kv(tmp_path):
         held += step["temp_bytes"]
         assert 24e9 - held + step["kv_bytes"] > 12e9, step  # KV for ~90k tokens in bf16
         assert step["weight_copies"] == 0, step
-        assert step["temp_bytes"] < 0.1 * step["largest_dequantized"], step
+        # 72 MB with pallas_gpu, 140 MB with the reference attention (its K/V gathers).
+        assert step["temp_bytes"] < 0.2 * step["largest_dequantized"], step
         # 7 matrices a layer and the LM head, at least.
         assert step["pallas_launches"]["int4_matmul_gpu"] >= 32 * 7 + 1, step
