@@ -269,9 +269,12 @@ def matmul_gpu(
         _gpu_kernel, block_m=block_m, block_n=block_n, block_k=block_k, precision=precision
     )
     tiles = (pl.cdiv(m, block_m), pl.cdiv(o, block_n))
-    if splits is None:  # enough programs to fill a large GPU, each at least 8 steps long
+    if splits is None:
+        # Enough programs to fill a large GPU, each at least 8 steps long, and the partial
+        # products' float32 bytes (splits * M * O * 4) at most the packed weight's (O * I / 2).
         steps = pl.cdiv(i // 2, block_k)
-        splits = max(1, min(MIN_PROGRAMS // (tiles[0] * tiles[1]), steps // 8))
+        splits = min(MIN_PROGRAMS // (tiles[0] * tiles[1]), steps // 8, i // (8 * m))
+        splits = max(1, splits)
     out = pl.pallas_call(
         kernel,
         grid=(*tiles, splits),
