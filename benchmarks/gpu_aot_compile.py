@@ -396,7 +396,10 @@ def engine_step_record(model, backend: str, sharding=None) -> dict:
     start = time.perf_counter()
     compiled = compile_dumped(lowered)
     seconds = time.perf_counter() - start
-    kernel_counts = collections.Counter(launch.kernel for launch in compiled.launches)
+    # XLA names the kernels of one pallas_call at several shapes name, name__1, name__2, ...
+    kernel_counts = collections.Counter(
+        re.sub(r"__\d+$", "", launch.kernel) for launch in compiled.launches
+    )
     return {
         "backend": backend,
         "compile_seconds": round(seconds, 1),
