@@ -27,7 +27,13 @@ launches and its temporaries, and for each Pallas kernel in it:
 row's K/V: hundreds of MB of temporaries, against the kernel's few).
 `--engine-step` compiles the whole SmolLM2 engine step (the demo checkpoint, a 32-row decode
 bucket) for each attention backend. For each it reports the whole-KV copies, the KV bytes
-updated in place (aliased), the temporaries, and the kernels that one step launches.
+updated in place (aliased), the memory per GPU (arguments, temporaries, outputs), the
+collectives in its HLO, and the kernels that one step launches. `--engine-model
+qwen3_30b_a3b` compiles that model's step instead (abstract weights,
+aot_engine_step.MODEL_SHAPES) at each of `--engine-placements` (e.g. 1,8,8ep: one GPU, 8 GPUs
+of one host tensor-parallel, and with expert parallelism); `--engine-model llama3_8b
+--quantization int4` an int4 Llama-3-8B's, with the memory left for KV beside it and the
+whole dequantized matrices it materialises (outside fusions).
 
 The plugin must match jaxlib exactly (jax 0.10.2: plugin 0.10.2). Install it beside the
 project's environment, not into it: once it is importable, every jax process tries to start
@@ -38,7 +44,8 @@ CUDA. This script sets JAX_PLATFORMS=cpu itself, which skips that.
         "jax-cuda12-pjrt==$v" "nvidia-cuda-nvcc-cu12==12.9.86"
     PYTHONPATH=.venv/gpu-aot python benchmarks/gpu_aot_compile.py [--gpus h200,a100,l4]
         [--model llama3_8b,smollm2,head256] [--dtypes bfloat16,float32,int8,float8_e4m3fn]
-        [--engine-step]
+        [--engine-step [--engine-model qwen3_30b_a3b --engine-placements 1,8,8ep]
+        [--engine-model llama3_8b --quantization int4]] [--engine-backends pallas_gpu]
         [--launch 4x3,8x2] [--reference] [--json results.json]
 
 tests/test_gpu_aot.py runs it in CI (.ci/run installs the plugin as above).
@@ -67,7 +74,16 @@ from pathlib import Path
 import attention
 import jax
 import jax.numpy as jnp
-from aot_engine_step import lower_decode_step, placed, whole_kv_copies
+from aot_engine_step import (
+    add_engine_model_arguments,
+    describe_report,
+    engine_models,
+    lower_decode_step,
+    memory_report,
+    parse_placements,
+    placed,
+    step_report,
+)
 from jax.experimental import topologies
 
 from ksana_jax.kv_cache import KVCache, float_kv_shapes, is_quantized
@@ -158,13 +174,19 @@ GPUS = {
 
 
 @functools.cache
+def gpu_devices(gpu: str, count: int = 1) -> tuple[jax.Device, ...]:
+    """`count` GPUs of one host, only described (needs the CUDA PJRT plugin)."""
+    config = GPUS[gpu].target_config()
+    return tuple(
+        topologies.get_topology_desc(
+            platform="cuda", topology=f"1x1x{count}", target_config=config
+        ).devices
+    )
+
+
 def gpu_sharding(gpu: str) -> jax.sharding.SingleDeviceSharding:
     """A sharding onto a GPU that is only described (needs the CUDA PJRT plugin)."""
-    config = GPUS[gpu].target_config()
-    (device,) = topologies.get_topology_desc(
-        platform="cuda", topology="1x1x1", target_config=config
-    ).devices
-    return jax.sharding.SingleDeviceSharding(device)
+    return jax.sharding.SingleDeviceSharding(gpu_devices(gpu)[0])
 
 
 # ----------------------------------------------------------------------------- what XLA made
@@ -361,25 +383,27 @@ def kernel_record(gpu: str, fn, shapes, ptxas: str | None, plan=None) -> dict:
 # ----------------------------------------------------------------------------- the engine step
 
 
-def engine_step_record(gpu: str, model, backend: str) -> dict:
+def engine_step_record(model, backend: str, sharding=None) -> dict:
     """Compiles the whole engine step (a 32-row decode bucket, contexts up to 1024) with
-    `backend` for `gpu`; counts its whole-KV copies, the KV bytes it updates in place
-    (donated and aliased), its temporaries and its kernel launches."""
+    `backend`, every argument on `sharding` (one described GPU) or, None, as the model's plan
+    places it over described GPUs; counts its whole-KV copies, the KV bytes it updates in
+    place (donated and aliased), its memory per device (arguments: params, KV, state;
+    outputs, temporaries), collectives, the dequantized whole matrices it materialises (a
+    quantized model) and its kernel launches."""
     lowered, kv = lower_decode_step(
-        model, backend, "gpu", gpu_sharding(gpu), kv_cache_dtype="bfloat16"
+        model, backend, "gpu", sharding, kv_cache_dtype="bfloat16"
     )  # bfloat16: what "auto" picks on a GPU for this bfloat16 model
     start = time.perf_counter()
     compiled = compile_dumped(lowered)
     seconds = time.perf_counter() - start
-    memory = compiled.executable.memory_analysis()
-    kernel_counts = collections.Counter(launch.kernel for launch in compiled.launches)
+    # XLA names the kernels of one pallas_call at several shapes name, name__1, name__2, ...
+    kernel_counts = collections.Counter(
+        re.sub(r"__\d+$", "", launch.kernel) for launch in compiled.launches
+    )
     return {
         "backend": backend,
         "compile_seconds": round(seconds, 1),
-        "kv_bytes": kv.size * kv.dtype.itemsize,
-        "kv_copies": whole_kv_copies(compiled.executable.as_text(), kv),
-        "alias_bytes": memory.alias_size_in_bytes,
-        "temp_bytes": memory.temp_size_in_bytes,
+        **step_report(compiled.executable, kv, model),
         "launches": len(compiled.launches),
         "pallas_launches": {
             name: count for name, count in kernel_counts.items() if name.endswith("_gpu")
@@ -428,6 +452,8 @@ def main() -> None:
         "--reference", action="store_true", help="also the jnp reference attention via XLA"
     )
     parser.add_argument("--engine-step", action="store_true")
+    add_engine_model_arguments(parser, "described GPUs of one host")
+    parser.add_argument("--engine-backends", default="reference,pallas_gpu")
     parser.add_argument("--json", help="also write every record to this file")
     args = parser.parse_args()
 
@@ -461,21 +487,22 @@ def main() -> None:
             print(_describe(record))
             records.append(record)
     if args.engine_step:
-        import ksana_jax
-        from ksana_jax.demo import demo_checkpoint
-
-        model = ksana_jax.load(demo_checkpoint(), dtype="bfloat16")
+        count = max(tp for tp, _ in parse_placements(args.engine_placements))
         for gpu in args.gpus.split(","):
-            for backend in ("reference", "pallas_gpu"):
-                record = engine_step_record(gpu, model, backend)
-                print(
-                    f"{gpu:5s} SmolLM2 engine step, {backend:10s}: compiled in "
-                    f"{record['compile_seconds']} s; {record['kv_copies']} whole-KV copies; "
-                    f"KV {record['kv_bytes'] / 1e6:.0f} MB, {record['alias_bytes'] / 1e6:.0f} MB "
-                    f"aliased; temporaries {record['temp_bytes'] / 1e6:.0f} MB; "
-                    f"{record['launches']} kernel launches {record['pallas_launches'] or ''}"
-                )
-                records.append(dict(gpu=gpu, name="engine_step", **record))
+            devices = gpu_devices(gpu, count)
+            for label, model, sharding in engine_models(
+                args.engine_model, args.engine_placements, devices, args.quantization
+            ):
+                for backend in args.engine_backends.split(","):
+                    record = engine_step_record(model, backend, sharding)
+                    print(
+                        f"{gpu:5s} {label} engine step, {backend}: compiled in "
+                        f"{record['compile_seconds']} s; {record['kv_copies']} whole-KV copies; "
+                        f"KV {record['kv_bytes'] / 1e6:.0f} MB; {describe_report(record)}; "
+                        f"{record['launches']} kernel launches {record['pallas_launches'] or ''}"
+                    )
+                    print(f"      {memory_report(record, GPUS[gpu].memory_bytes)}")
+                    records.append(dict(gpu=gpu, name="engine_step", model=label, **record))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     if failures:

@@ -85,10 +85,17 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--draft", help="also a draft model (`demo`: SmolLM2 as its own)")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="timed runs per setting, engines interleaved; the best counts")
-    parser.add_argument("--workloads", default="copy,open,rows16",
-                        help="comma-separated subset of copy, open, rows16")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="timed runs per setting, engines interleaved; the best counts",
+    )
+    parser.add_argument(
+        "--workloads",
+        default="copy,open,rows16",
+        help="comma-separated subset of copy, open, rows16",
+    )
     args = parser.parse_args()
     model = load(demo_checkpoint(), dtype=args.dtype)
     config = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=256,
@@ -109,8 +116,10 @@ def main() -> None:
     }
     chosen = set(args.workloads.split(","))
     workloads = {k: v[1:] for k, v in workloads.items() if v[0] in chosen}
-    print(f"SmolLM2-135M {args.dtype}, k={args.k}, greedy, {args.max_tokens} tokens, "
-          f"best of {args.repeat}")
+    print(
+        f"SmolLM2-135M {args.dtype}, k={args.k}, greedy, {args.max_tokens} tokens, "
+        f"best of {args.repeat}"
+    )
     print(
         f"{'workload':<22}{'method':<8}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}"
         f"{'acc. len':>10}  same"

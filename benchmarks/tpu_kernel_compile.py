@@ -9,7 +9,14 @@ two KV writes at SmolLM2, Llama-3-8B-like and Gemma-3-4B-like shapes (the last w
 generation, and prints which compile and how long each took. A kernel that fails here
 (`Mosaic failed to compile TPU kernel: ...`) would fail on the TPU. Nothing runs.
 `--engine-step` also compiles the whole SmolLM2 engine step and counts its whole-KV copies,
-with the KV in the TPU's default layout and pinned row-major (as the runner holds it).
+with the KV in the TPU's default layout and pinned row-major (as the runner holds it), and
+reports its memory per chip and collectives. `--engine-model qwen3_30b_a3b` compiles that
+model's step instead (abstract weights, aot_engine_step.MODEL_SHAPES) at each of
+`--engine-placements` over the topology's chips (e.g. 8,8ep: tensor-parallel over 8 chips,
+without and with expert parallelism), `--engine-model llama3_8b --quantization int4` an
+int4 Llama-3-8B's, with the HBM left for KV beside it and the whole dequantized matrices
+it materialises; a step that needs more HBM than a chip has fails to compile and is
+reported as such.
 
 libtpu must match jax (jax 0.10.2: libtpu 0.0.42.*). Install it beside, not into, the
 project's environment (with libtpu importable, every jax process looks for a TPU first):
@@ -17,7 +24,8 @@ project's environment (with libtpu importable, every jax process looks for a TPU
     pip install --no-deps --target /tmp/libtpu "libtpu==0.0.42.*"
     PYTHONPATH=/tmp/libtpu TPU_WORKER_HOSTNAMES=localhost \\
         python benchmarks/tpu_kernel_compile.py [--topologies v4:2x2x1,v5e:2x2,v5p:2x2x1,v6e:2x2]
-        [--engine-step]
+        [--engine-step [--engine-model qwen3_30b_a3b --engine-placements 8,8ep]
+        [--engine-model llama3_8b --quantization int4]] [--no-kernels]
 """
 
 from __future__ import annotations
@@ -29,7 +37,15 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from aot_engine_step import lower_decode_step, placed, whole_kv_copies
+from aot_engine_step import (
+    add_engine_model_arguments,
+    describe_report,
+    engine_models,
+    lower_decode_step,
+    memory_report,
+    placed,
+    step_report,
+)
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -122,26 +138,29 @@ def compile_for(topology: str, fn, shapes) -> float:
     return time.perf_counter() - start
 
 
-def engine_step_report(topology: str, model, pinned: bool) -> str:
-    """Compiles the whole engine step (pallas_tpu, a 32-row decode bucket) for `topology`
-    and says how many KV-sized copies and how much temporary memory it has. `pinned`: the
-    KV argument and result in row-major format, as the runner holds them on a TPU."""
-    from ksana_jax import runner
+# One chip's HBM by device kind (data sheets).
+HBM_BYTES = {"TPU v4": 32e9, "TPU v5 lite": 16e9, "TPU v5": 95e9, "TPU v6 lite": 32e9}
 
-    replicated = one_chip(topology)
-    kv_format = runner.kv_row_major_format(replicated)
-    step = runner.kv_pinned_engine_step(kv_format) if pinned else runner.engine_step
-    kv_sharding = kv_format if pinned else replicated
-    lowered, kv = lower_decode_step(
-        model, "pallas_tpu", "tpu", replicated, kv_sharding=kv_sharding, step=step
-    )
+
+def engine_step_report(model, sharding, pinned: bool, device_kind: str) -> str:
+    """Compiles the whole engine step (pallas_tpu, a 32-row decode bucket) with every argument
+    on `sharding` (one chip) or, None, as the model's plan places it over the topology's
+    chips; says how many KV-sized copies it makes, its memory per chip against the chip's
+    HBM (`device_kind`'s), collectives and dequantized matrices (or why it did not
+    compile). `pinned`: the KV argument and result in row-major format, as the runner holds
+    them on a TPU."""
+    lowered, kv = lower_decode_step(model, "pallas_tpu", "tpu", sharding, pinned=pinned)
     start = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # e.g. more HBM than a chip has: report it, go on
+        return f"FAILED: {str(e).splitlines()[0][:300]}"
     seconds = time.perf_counter() - start
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    record = step_report(compiled, kv, model)
     return (
-        f"compiled in {seconds:.1f} s; {whole_kv_copies(compiled.as_text(), kv)} whole-KV "
-        f"copies; temporaries {temp / 1e6:.0f} MB (KV {kv.size * kv.dtype.itemsize / 1e6:.0f} MB)"
+        f"compiled in {seconds:.1f} s; {record['kv_copies']} whole-KV copies (KV "
+        f"{record['kv_bytes'] / 1e6:.0f} MB); {describe_report(record)}\n    "
+        + memory_report(record, HBM_BYTES.get(device_kind, float("nan")))
     )
 
 
@@ -151,8 +170,15 @@ def main() -> None:
     parser.add_argument(
         "--engine-step",
         action="store_true",
-        help="also compile the whole SmolLM2 engine step (the demo checkpoint), KV layout "
-        "pinned and not, and count its whole-KV copies",
+        help="also compile the whole engine step (--engine-model; for SmolLM2 with the KV "
+        "layout pinned and not), count its whole-KV copies, memory and collectives",
+    )
+    add_engine_model_arguments(parser, "the topology's chips")
+    parser.add_argument(
+        "--kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile the attention and KV-write kernels (--no-kernels: the engine step only)",
     )
     args = parser.parse_args()
     try:
@@ -163,8 +189,9 @@ def main() -> None:
             "docstring says"
         ) from None
     failures = 0
-    print(f"{'topology':10s} {'model':10s} {'dtype[/KV dtype]':22s} {'kernel':17s} result")
-    for topology in args.topologies.split(","):
+    if args.kernels:
+        print(f"{'topology':10s} {'model':10s} {'dtype[/KV dtype]':22s} {'kernel':17s} result")
+    for topology in args.topologies.split(",") if args.kernels else ():
         for name, *shape in MODELS:
             for dtype, kv_dtype in DTYPES:  # float16: refused, see kv_layout
                 features = FEATURES.get(name)
@@ -177,15 +204,15 @@ def main() -> None:
                     dtype_name = jnp.dtype(dtype).name + (f"/{kv_dtype}" if kv_dtype else "")
                     print(f"{topology:10s} {name:10s} {dtype_name:22s} {kernel:17s} {result}")
     if args.engine_step:
-        import ksana_jax
-        from ksana_jax.demo import demo_checkpoint
-
-        model = ksana_jax.load(demo_checkpoint(), dtype="bfloat16")
         for topology in args.topologies.split(","):
-            for pinned in (False, True):
-                layout = "KV pinned row-major" if pinned else "KV in default layout"
-                report = engine_step_report(topology, model, pinned)
-                print(f"{topology:10s} SmolLM2 engine step, {layout}: {report}")
+            devices = topologies.get_topology_desc(topology, "tpu").devices
+            for label, model, sharding in engine_models(
+                args.engine_model, args.engine_placements, devices, args.quantization
+            ):
+                for pinned in (False, True) if args.engine_model == "smollm2" else (True,):
+                    layout = "KV pinned row-major" if pinned else "KV in default layout"
+                    report = engine_step_report(model, sharding, pinned, devices[0].device_kind)
+                    print(f"{topology:10s} {label} engine step, {layout}: {report}")
     if failures:
         raise SystemExit(f"{failures} kernel(s) failed to compile")
 

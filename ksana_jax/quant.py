@@ -134,6 +134,18 @@ def quantize(w: np.ndarray, quantization: str, dtype: str = "float32") -> Quanti
     return Int4Matrix(pack_int4(np.clip(q, 0, 15).astype(np.uint8)), scales, mins, dtype)
 
 
+def abstract(quantization: str, shape: tuple[int, ...], dtype: str) -> QuantizedMatrix:
+    """The quantized form of a float matrix of `shape` [..., O, I] as ShapeDtypeStructs, for
+    ahead-of-time compiles of a model that is only described (no values)."""
+    check_format(quantization)
+    *lead, out, inp = shape
+    sds = jax.ShapeDtypeStruct
+    if quantization == "int8":
+        return Int8Matrix(sds(shape, jnp.int8), sds((*lead, out, 1), jnp.float32), dtype)
+    groups = sds((*lead, out, inp // GROUP_SIZE), jnp.float16)
+    return Int4Matrix(sds((*lead, out, inp // 2), jnp.uint8), groups, groups, dtype)
+
+
 def pack_int4(q: np.ndarray) -> np.ndarray:
     """q u8[..., O, G, 32] in [0, 15] -> packed u8[..., O, G * 16] (GGUF's nibble order)."""
     half = GROUP_SIZE // 2

@@ -56,7 +56,7 @@ from ksana_jax.kv_cache import (
 )
 from ksana_jax.model import Model
 from ksana_jax.models import registry
-from ksana_jax.pallas_kernels import resolve_backend
+from ksana_jax.pallas_kernels import linear_cpu, resolve_backend
 from ksana_jax.sampling import (
     PenaltyCounts,
     SampledTokens,
@@ -347,6 +347,20 @@ def _bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
     raise ValueError(f"{n} {what} exceed the largest bucket {buckets[-1]}")
 
 
+def _with_decode_bucket(config: EngineConfig, model: Model) -> EngineConfig:
+    """`config` with a 1-token bucket first when its token buckets are the derived default
+    (left unset, or set to exactly those) and linear_cpu's kernel takes the model's matrices
+    at one row (bfloat16 or quantized weights on a CPU): batch-1 decode then streams them
+    through the kernel instead of padding to 16 rows for XLA's dot (one more compiled shape:
+    the fewest sequences)."""
+    derived = dataclasses.replace(config, token_buckets=()).token_buckets
+    if config.token_buckets != derived or derived[0] == 1:
+        return config
+    if not linear_cpu.takes_one_row(model.params):
+        return config
+    return dataclasses.replace(config, token_buckets=(1, *derived))
+
+
 def resolve_num_pages(
     config: EngineConfig,
     model_config: ModelConfig,
@@ -373,7 +387,7 @@ class ModelRunner:
     def __init__(self, model: Model, config: EngineConfig, draft_model: Model | None = None):
         self.model = model
         self.draft = draft_model  # speculative decoding's draft model (draft.py), or None
-        self.config = config
+        self.config = config = _with_decode_bucket(config, model)
         platform = jax.default_backend()
         capability = getattr(jax.local_devices()[0], "compute_capability", None)
         self.backend = resolve_backend(config.attention_backend, platform, capability)

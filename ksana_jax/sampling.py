@@ -10,7 +10,9 @@ Every option is data (a per-row array), never structure, so one compiled step se
 mix of requests. Work no row of the batch needs is skipped with `lax.cond` on that data:
 the vocabulary sort when every row is greedy, the penalty-count gathers when no row has a
 penalty, log-softmax and top-N when no row wants logprobs (on CPU these passes over [S, V]
-took ~45 ms of a 64-row SmolLM2 decode step). A row's randomness is
+took ~45 ms of a 64-row SmolLM2 decode step). A batch of plain greedy rows (the common
+serving case) skips all of it at once: one `lax.cond` takes only the argmax, which reduces
+blocks of the vocabulary first (`_argmax`). A row's randomness is
 `fold_in(key(seed), num_generated)` and its noise is
 indexed by token id, so a request's tokens depend only on its seed and its own history,
 not on what else is in the batch. Logprobs are those of the model's raw distribution
@@ -205,12 +207,29 @@ def _with_penalties(logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts)
     )
 
 
-def _argmax(x: jax.Array) -> jax.Array:
-    """First index of each row's max, i32[S], as jnp.argmax gives for NaN-free rows, from two
+ARGMAX_BLOCK = 128
+
+
+def _first_max(x: jax.Array) -> jax.Array:
+    """First index of each row's max, i32[S] (the row's length for a NaN row), from two
     plain reductions: XLA:CPU runs them far faster than argmax's (value, index) reduction."""
-    vocab = x.shape[-1]
+    n = x.shape[-1]
     is_max = x == jnp.max(x, axis=-1, keepdims=True)
-    first = jnp.min(jnp.where(is_max, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.min(jnp.where(is_max, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    """First index of each row's max of x f32[S, V], i32[S], as jnp.argmax gives for NaN-free
+    rows, in two stages: each block of ARGMAX_BLOCK tokens' max, then the first block holding
+    the row's max and the first max inside it. XLA:CPU reduces [S, V / 128, 128] over its
+    last axis ~10x faster than [S, V] (64 x 49152: 0.2 vs 2.3 ms, measured)."""
+    rows, vocab = x.shape
+    num_blocks = -(-vocab // ARGMAX_BLOCK)
+    x = jnp.pad(x, ((0, 0), (0, num_blocks * ARGMAX_BLOCK - vocab)), constant_values=-jnp.inf)
+    blocks = x.reshape(rows, num_blocks, ARGMAX_BLOCK)
+    block = jnp.minimum(_first_max(jnp.max(blocks, axis=-1)), num_blocks - 1)
+    inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
+    first = block * ARGMAX_BLOCK + _first_max(inside)
     return jnp.minimum(first, vocab - 1)  # a NaN row matches nothing: still a valid id
 
 
@@ -224,11 +243,44 @@ def _logprobs(
     return chosen, top_ids.astype(jnp.int32), top_logprobs
 
 
+def plain_greedy(s: SamplingInputs) -> jax.Array:
+    """bool[]: every row greedy with nothing else to do (no bias, penalty, suppressed token,
+    token mask or logprobs), so each row's token is its logits' argmax."""
+    return (
+        jnp.all(s.temperature == 0.0)
+        & ~jnp.any(penalties_active(s))
+        & jnp.all(s.bias_ids < 0)
+        & jnp.all(s.suppressed_ids < 0)
+        & jnp.all(s.token_bitmask == -1)
+        & jnp.all(s.num_logprobs < 0)
+    )
+
+
 def sample(
     logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts, max_logprobs: int
 ) -> SampledTokens:
     """Samples one token per row of logits f32[S, V]; `counts` holds every row's tokens so far
-    (including this step's fed tokens) at its slot."""
+    (including this step's fed tokens) at its slot. A plain greedy batch (`plain_greedy`) only
+    takes the argmax: the other passes over [S, V] and the conditionals that skip them cost
+    XLA:CPU ~20 ms at 64 x 49152 even when skipped (measured)."""
+    num_seqs = logits.shape[0]
+
+    def greedy(logits, s, counts):
+        return SampledTokens(
+            _argmax(logits),
+            jnp.zeros(num_seqs, jnp.float32),
+            jnp.zeros((num_seqs, max_logprobs), jnp.int32),
+            jnp.zeros((num_seqs, max_logprobs), jnp.float32),
+        )
+
+    full = functools.partial(_sample, max_logprobs=max_logprobs)
+    return jax.lax.cond(plain_greedy(s), greedy, full, logits, s, counts)
+
+
+def _sample(
+    logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts, max_logprobs: int
+) -> SampledTokens:
+    """`sample` with every option."""
     raw_logits = logits
     logits = _with_penalties(apply_logit_bias(logits, s), s, counts)
     rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], s.suppressed_ids.shape)

@@ -132,6 +132,35 @@ def test_gpu_aot_compile_pieces_work_without_the_plugin(monkeypatch):
     assert "shared_memory_per_block_optin: 101376" in config
 
 
+def test_aot_engine_step_describes_a_published_moe_model(monkeypatch):
+    """benchmarks/aot_engine_step.py (the GPU and TPU tools' engine step): Qwen3-30B-A3B's
+    shapes as abstract weights (30.5 B parameters, nothing allocated) lower to an engine step
+    that sorts each layer's tokens by expert (the grouped products a GPU runs with
+    ragged_dot); its HLO reader counts collectives, an async pair once by its result."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    aot = load_script("aot_engine_step")
+    assert aot.parse_placements("1,8,8ep") == [(1, False), (8, False), (8, True)]
+    with pytest.raises(ValueError, match="8x"):
+        aot.parse_placements("8x")
+    model = aot.abstract_model("qwen3_30b_a3b", jax.devices(), 1)
+    leaves = jax.tree.leaves(model.params)
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
+    assert 30.4e9 < sum(leaf.size for leaf in leaves) < 30.6e9
+    lowered, kv = aot.lower_decode_step(model, "reference", "gpu", kv_cache_dtype="bfloat16")
+    assert kv.shape == (48, 2, 4, 1024, 16, 128)
+    assert lowered.as_text().count("call @argsort") == 48  # one sort per MoE layer
+    hlo = (
+        "  %all-reduce.1 = f32[32,2048]{1,0} all-reduce(f32[32,2048]{1,0} %x), to_apply=%add\n"
+        "  %ags = ((f32[16,20]{1,0}, s32[16,20]{1,0}), (f32[128,20]{1,0}, s32[128,20]{1,0})) "
+        "all-gather-start(%a, %b), dimensions={0}\n"
+        "  %agd = (f32[128,20]{1,0}, s32[128,20]{1,0}) all-gather-done(%ags)\n"
+    )
+    assert aot.collectives(hlo) == {
+        "all-gather": (1, 2 * 128 * 20 * 4),
+        "all-reduce": (1, 32 * 2048 * 4),
+    }
+
+
 def test_tpu_kernel_compile_lists_the_current_kernels(monkeypatch):
     """benchmarks/tpu_kernel_compile.py needs libtpu to compile (not installed here); its
     kernel list still lowers for TPU with the kernels' current signatures."""
@@ -176,3 +205,22 @@ def test_linear_cpu_pieces_run():
         xla = bench.chain(bench.xla_linear)(x, weights)
         np.testing.assert_allclose(kernel, xla, rtol=1e-4, atol=1e-3)
         assert bench.time_chain(bench.chain(bench.linear_cpu.linear), x, weights, 1) > 0
+
+
+def test_quant_pieces_run_on_the_engine(tmp_path, capsys):
+    """benchmarks/quant.py on a tiny random Llama: every format at batch 1, the floor table
+    and the ratios; at 1 row every matrix goes through the C++ kernel (when it builds)."""
+    from ksana_jax.pallas_kernels import linear_cpu
+
+    quant_bench = load_script("quant")
+    write_tiny_hf(tmp_path / "hf", intermediate_size=128, eos_token_id=None)
+    results = quant_bench.measure(tmp_path / "hf", ["bfloat16", "int8", "int4"], [1], 24, 1, 128, 1)
+    assert [r["format"] for r in results] == ["bfloat16", "int8", "int4"]
+    assert all(r["tok_s"] > 0 and 0 < r["step_s"] < 10 for r in results)
+    bf16, int8, int4 = (r["weight_bytes"] for r in results)
+    assert int4 < int8 < bf16
+    if linear_cpu.available():
+        assert all(r["kernel"] for r in results)
+    quant_bench.report(results, 1e10, 24)
+    out = capsys.readouterr().out
+    assert "batch 1: int4 / bfloat16" in out and "below its floor" in out

@@ -12,6 +12,7 @@ from workloads import record_compilations, run_varied_workload
 
 import ksana_jax
 from ksana_jax import LLM, SamplingParams
+from ksana_jax.pallas_kernels import linear_cpu
 from ksana_jax.runner import compile_count
 
 # Gaps between the top two logits below this are float-noise ties: batch shape may flip them.
@@ -235,6 +236,26 @@ def test_stream_and_chat(tiny_model):
     chat = llm.chat([{"role": "user", "content": "w5 w6"}], GREEDY, use_tqdm=False)[0]
     template = llm.tokenizer.apply_chat_template([{"role": "user", "content": "w5 w6"}])
     assert chat.prompt_token_ids == llm.tokenizer.encode(template, add_special_tokens=False)
+
+
+def test_bfloat16_on_cpu_decodes_one_sequence_in_a_one_token_step(tiny_model):
+    """linear_cpu's kernel takes bfloat16 matrices at one row, so on CPU the derived token
+    buckets start with 1 (batch-1 decode runs the kernel instead of 16 padded rows through
+    XLA's dot); warm-up compiles that step too. Buckets set to other than the derived ones,
+    and float32 weights (XLA's matrix-vector product), keep their buckets."""
+    compiles = record_compilations()
+    llm = LLM(tiny_model, dtype="bfloat16", **BASE)
+    one_row = (1,) if linear_cpu.available() else ()
+    assert llm.engine.runner.config.token_buckets == (*one_row, 16, 64)
+    assert llm.engine.config.token_buckets == (16, 64)
+    warm = compile_count()
+    compiles.clear()
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate([PROMPTS[2]], greedy, use_tqdm=False)
+    assert compile_count() == warm and compiles == []
+    chosen = LLM(tiny_model, warm_up=False, dtype="bfloat16", **(BASE | {"token_buckets": (8, 64)}))
+    assert chosen.engine.runner.config.token_buckets == (8, 64)
+    assert LLM(tiny_model, warm_up=False, **BASE).engine.runner.config.token_buckets == (16, 64)
 
 
 def test_bfloat16_engine_keeps_a_float16_kv_on_cpu(tiny_model):

@@ -14,7 +14,8 @@ import pytest
 import torch
 from conftest import tiny_hf_config, write_tiny_tokenizer
 from family_models import PROMPT, build, hf_config, hf_logits
-from test_gguf import stub_vocab, write_gguf
+from gguf_files import write_model_gguf
+from test_gguf import write_gguf
 
 import ksana_jax
 from checkpoints_tools import read_source
@@ -41,42 +42,22 @@ def gguf_tensors(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray]:
 def write_family_gguf(path, model: torch.nn.Module) -> None:
     cfg = model.config
     arch = GGUF_ARCH[cfg.model_type]
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
     if arch == "gemma3":
         rope = rope["full_attention"]
-        if rope.get("rope_type", "default") == "linear":
+
+    def family_keys(writer):
+        if arch == "gemma3" and rope.get("rope_type", "default") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(rope["factor"])
-    writer.add_rope_freq_base(rope["rope_theta"])
-    if arch.startswith("gemma"):
-        writer.add_sliding_window(cfg.sliding_window)
-    if arch == "gemma2":
-        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
-        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    vocab = stub_vocab(cfg.vocab_size)
-    writer.add_tokenizer_model(vocab["model"])
-    writer.add_token_list(vocab["tokens"])
-    writer.add_token_scores(vocab["scores"])
-    writer.add_token_types(vocab["types"])
-    writer.add_bos_token_id(vocab["bos"])
-    writer.add_eos_token_id(vocab["eos"])
-    writer.add_unk_token_id(vocab["unk"])
-    for name, value in gguf_tensors(model, arch).items():
-        writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        if arch.startswith("gemma"):
+            writer.add_sliding_window(cfg.sliding_window)
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+
+    tensors = gguf_tensors(model, arch)
+    write_model_gguf(path, arch, cfg, tensors, rope["rope_theta"], family_keys)
 
 
 # llama.cpp stores no query_pre_attn_scalar (it scales by head_dim below 27B) and no local rope

@@ -39,7 +39,9 @@ def test_the_plugin_matches_jaxlib():
 
 def run_tool(tmp_path: Path, *args: str) -> list[dict]:
     out = tmp_path / "records.json"
-    env = {**os.environ, "PYTHONPATH": str(PLUGIN_DIR), "JAX_PLATFORMS": "cpu"}
+    # This checkout's ksana_jax, whichever one the environment has installed.
+    path = os.pathsep.join([str(PLUGIN_DIR), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, str(TOOL), "--json", str(out), *args],
         capture_output=True,
@@ -171,3 +173,64 @@ def test_engine_step_updates_the_kv_in_place(h200_records):
         "write_kv_pages_gpu": 30,
     }
     assert steps["reference"]["pallas_launches"] == {}
+
+
+def test_int4_llama3_8b_step_fits_an_l4_with_room_for_kv(tmp_path):
+    """The whole decode step of a Llama-3-8B-shaped model with int4 weights (shapes only, no
+    checkpoint), compiled for an L4: params, KV, batch state, outputs not aliased and
+    temporaries leave most of its 24 GB for KV, and every int4 product runs in the Pallas
+    kernel (pallas_kernels/quant_matmul.py): no dequantized matrix is materialised, and the
+    temporaries stay far below one (the largest, the LM head)."""
+    only = ["--gpus", "l4", "--model", "smollm2", "--dtypes", "bfloat16", "--workloads", "decode"]
+    records = run_tool(
+        tmp_path, *only, "--engine-step", "--engine-model", "llama3_8b", "--quantization", "int4"
+    )
+    steps = [r for r in records if r["name"] == "engine_step"]
+    assert {s["backend"] for s in steps} == {"reference", "pallas_gpu"}
+    for step in steps:
+        assert step["kv_copies"] == 0, step
+        assert step["params_bytes"] < 5.5e9  # 8.0e9 weights at 0.625 bytes (+ norms)
+        held = step["argument_bytes"] + step["output_bytes"] - step["alias_bytes"]
+        held += step["temp_bytes"]
+        assert 24e9 - held + step["kv_bytes"] > 12e9, step  # KV for ~90k tokens in bf16
+        assert step["weight_copies"] == 0, step
+        # 72 MB with pallas_gpu, 140 MB with the reference attention (its K/V gathers).
+        assert step["temp_bytes"] < 0.2 * step["largest_dequantized"], step
+        # 7 matrices a layer and the LM head, at least.
+        assert step["pallas_launches"]["int4_matmul_gpu"] >= 32 * 7 + 1, step
+
+
+def test_int4_matmul_kernel_compiles_for_each_gpu_without_a_dequantized_weight(tmp_path):
+    """benchmarks/quant_matmul_compile.py: the int4 Pallas matmul alone at Llama-3-8B's MLP
+    matrices, decode and prefill rows, for an H200 and an L4: it compiles, spills nothing,
+    and the compiled function holds no buffer of the dequantized matrix's shape."""
+    out = tmp_path / "records.json"
+    path = os.pathsep.join([str(PLUGIN_DIR), str(ROOT)])
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "quant_matmul_compile.py"),
+            "--json",
+            str(out),
+            "--gpus",
+            "h200,l4",
+            "--matrices",
+            "up/gate,down",
+            "--rows",
+            "1,256",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"},
+        cwd=ROOT,
+        timeout=500,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = json.loads(out.read_text())
+    assert len(records) == 8
+    for record in records:
+        assert record["compiled"] and record["dequantized_buffers"] == 0, record
+        # x split in halves, float32 partial products of the input-dim splits: 12 MB at most.
+        assert record["temp_bytes"] < 0.2 * record["dequantized_bytes"], record
+        (kernel,) = record["kernels"]
+        assert kernel["name"] == "int4_matmul_gpu" and kernel.get("spill_bytes", 0) == 0, record

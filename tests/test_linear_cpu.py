@@ -1,8 +1,11 @@
 """The CPU linear kernel (pallas_kernels/linear_cpu.cc) against its jnp reference
-(dequantize, then a float32 dot) for every weight format, on random shapes whose O and I are
-not multiples of the kernel's vector width, register tile or column chunk, rows 1-16."""
+(dequantize, then a float32 dot) for every weight format and product dtype, on random shapes
+whose O and I are not multiples of the kernel's vector width, register tile or column chunk,
+rows 1-16."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -22,30 +25,41 @@ ROWS = [1, 2, 3, 5, 8, 16]  # register tiles of 4 rows: none, one, several, with
 
 
 def weight(rng: np.random.Generator, fmt: str, out: int, inp: int):
+    """A random weight of format `fmt`; a "_bf16" suffix makes a quantized matrix's product
+    bfloat16's (a bfloat16 model quantized), "int8_g16" has a float32 scale per 16 columns."""
     w = rng.standard_normal((out, inp)).astype(np.float32)
+    fmt, bf16 = fmt.removesuffix("_bf16"), fmt.endswith("_bf16")
     if fmt in ("float32", "bfloat16"):
         return jnp.asarray(w, fmt)
-    if fmt == "int8_q8_0":  # GGUF Q8_0's blocks: a float16 scale per 32 columns
+    if fmt in ("int8_q8_0", "int8_g16"):  # Q8_0: GGUF's blocks, a float16 scale per 32 columns
         m = quant.quantize(w, "int8")
-        scales = rng.random((out, inp // 32)).astype(np.float16) / 100
-        return jax.tree.map(jnp.asarray, quant.Int8Matrix(m.values, scales))
-    return jax.tree.map(jnp.asarray, quant.quantize(w, fmt))
+        group, scale_dtype = (32, np.float16) if fmt == "int8_q8_0" else (16, np.float32)
+        scales = rng.random((out, inp // group)).astype(scale_dtype) / 100
+        m = quant.Int8Matrix(m.values, scales)
+    else:
+        m = quant.quantize(w, fmt)
+    if bf16:
+        m = dataclasses.replace(m, dtype="bfloat16")
+    return jax.tree.map(jnp.asarray, m)
 
 
 def reference(x: jax.Array, w) -> jax.Array:
     """Dequantize, then a float32 dot; bfloat16 weights multiply x rounded to bfloat16."""
-    if quant.is_quantized(w):
-        w = quant.dequantize(w, "float32")
-    elif w.dtype == jnp.bfloat16:
+    if jnp.dtype(w.dtype) == jnp.bfloat16:  # a quantized matrix's dtype is a name
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
+    if quant.is_quantized(w):
+        w = quant.dequantize(w)
     w = w.astype(jnp.float32)
     return jnp.dot(x, w.T, precision=jax.lax.Precision.HIGHEST)
 
 
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int8_q8_0", "int4"])
+@pytest.mark.parametrize(
+    "fmt",
+    ["float32", "bfloat16", "int8", "int8_bf16", "int8_q8_0", "int8_g16_bf16", "int4", "int4_bf16"],
+)
 def test_kernel_equals_the_jnp_reference(fmt):
     rng = np.random.default_rng(0)
-    shapes = FLOAT_SHAPES if fmt in ("float32", "bfloat16", "int8") else GROUPED_SHAPES
+    shapes = FLOAT_SHAPES if fmt in ("float32", "bfloat16", "int8", "int8_bf16") else GROUPED_SHAPES
     kernel = jax.jit(linear_cpu.linear)
     for out, inp in shapes:
         w = weight(rng, fmt, out, inp)

@@ -5,13 +5,12 @@ transformers' (as the safetensors route's are, test_families.py)."""
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 import torch
 from conftest import write_tiny_tokenizer
 from family_models import PROMPT, build, hf_config, hf_logits
-from test_gguf import stub_vocab
+from gguf_files import write_model_gguf
 
 import ksana_jax
 from checkpoints_tools import read_source
@@ -70,35 +69,15 @@ def gguf_tensors(model: torch.nn.Module, hf_dir) -> dict[str, np.ndarray]:
 def write_moe_gguf(path, model: torch.nn.Module, hf_dir) -> None:
     cfg = model.config
     arch = ARCH[cfg.model_type]
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_expert_count(cfg.num_local_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch == "qwen3moe":
-        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    vocab = stub_vocab(cfg.vocab_size)
-    writer.add_tokenizer_model(vocab["model"])
-    writer.add_token_list(vocab["tokens"])
-    writer.add_token_scores(vocab["scores"])
-    writer.add_token_types(vocab["types"])
-    writer.add_bos_token_id(vocab["bos"])
-    writer.add_eos_token_id(vocab["eos"])
-    writer.add_unk_token_id(vocab["unk"])
-    for name, value in gguf_tensors(model, hf_dir).items():
-        writer.add_tensor(name, np.ascontiguousarray(value))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def expert_keys(writer):
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+    tensors = gguf_tensors(model, hf_dir)
+    write_model_gguf(path, arch, cfg, tensors, cfg.rope_parameters["rope_theta"], expert_keys)
 
 
 # llama.cpp's qwen3moe always renormalises the top-k weights: a GGUF reads norm_topk_prob.

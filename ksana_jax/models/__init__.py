@@ -22,7 +22,9 @@ One new module in this package; qwen3.py is the example. The registry finds it b
 module-level `FAMILY = registry.Family(...)`, which declares:
 
 1. `architectures` / `gguf_architectures`: the HF `model_type` values (with their
-   architecture classes) and GGUF `general.architecture` values it serves.
+   architecture classes) and GGUF `general.architecture` values it serves; `gguf_claims`
+   when it reads files written under another family's architecture (mixtral.py: a `llama`
+   GGUF with experts).
 2. `config_from_hf(hf_dict)` and `config_from_gguf(metadata, tensor_names, dtype,
    read_tensor)`: read the fields the family uses into a `ModelConfig` (the shared ones via
    `config.hf_common_fields` / `gguf_common_fields`), and raise ValueError naming any field

@@ -17,7 +17,7 @@ import numpy as np
 from ksana_jax import pallas_kernels, quant
 from ksana_jax.config import ModelConfig
 from ksana_jax.kv_cache import KVCache, to_kv_dtype
-from ksana_jax.pallas_kernels import linear_cpu
+from ksana_jax.pallas_kernels import linear_cpu, quant_matmul
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.step_inputs import StepInputs
 
@@ -29,7 +29,9 @@ def linear(
 
     On CPU, a few rows (decode) go through pallas_kernels/linear_cpu.py, a C++ kernel that
     streams w's bytes (quantized ones as they are) on every core; `linear_cpu.takes` decides
-    at trace time. Otherwise a quantized w (quant.py) is dequantized to its `dtype` inside
+    at trace time. On TPU and GPU an int4 w goes through pallas_kernels/quant_matmul.py,
+    which dequantizes tiles in VMEM / registers (XLA does not fuse int4's dequantize into
+    the dot there). Otherwise a quantized w (quant.py) is dequantized to its `dtype` inside
     the step and multiplied as a float weight by XLA (the reference path).
 
     Weights are [out, in] (torch's layout): XLA:CPU's bfloat16 products (YNNPACK) stream
@@ -38,6 +40,9 @@ def linear(
     """
     if linear_cpu.takes(x, w):
         y = linear_cpu.linear(x, w)
+        return y if b is None else y + b.astype(jnp.float32)
+    if quant_matmul.supports(platform := jax.default_backend(), x, w):
+        y = quant_matmul.matmul(x, w, platform)
         return y if b is None else y + b.astype(jnp.float32)
     if x.ndim == 2 and x.shape[0] == 1 and w.dtype != jnp.float32:
         # One row takes XLA:CPU's matrix-vector path, 2x slower than two rows for bfloat16

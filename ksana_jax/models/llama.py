@@ -207,10 +207,6 @@ def config_from_gguf(
     """Reads the shared GGUF keys; `rope_freqs.weight` (Llama 3.1's rope factors) through
     `read_tensor`; refuses `{arch}.attention.sliding_window`."""
     arch = metadata["general.architecture"]
-    if metadata.get(f"{arch}.expert_count"):  # llama.cpp writes Mixtral as a llama with experts
-        from ksana_jax.models import mixtral
-
-        return mixtral.config_from_gguf(metadata, tensor_names, dtype, read_tensor)
     if metadata.get(f"{arch}.attention.sliding_window"):
         raise ValueError(
             f"{arch}.attention.sliding_window is not supported for GGUF {arch}; "

@@ -7,8 +7,8 @@ same thing).
 From HF safetensors each expert's matrices are stacked at conversion ([E, F, D]); from GGUF,
 llama.cpp writes Mixtral as architecture `llama` with `llama.expert_count`, the router as
 `ffn_gate_inp`, the experts already stacked as `ffn_{gate,up,down}_exps`, and Q/K rows
-permuted as for any llama (undone here). llama.py's GGUF config reader hands such a file to
-`config_from_gguf` below.
+permuted as for any llama (undone here). The family claims such a file (`gguf_claims`:
+a `llama` GGUF with an expert count), so the registry hands it to `config_from_gguf` below.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from ksana_jax.config import (
-    DENSE_MLP,
     MOE_MLP,
     SLIDING_ATTENTION,
     ModelConfig,
@@ -53,22 +52,6 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     )
 
 
-def gguf_moe_fields(
-    metadata: Mapping[str, Any], tensor_names: set[str], num_layers: int
-) -> dict[str, Any]:
-    """The MoE fields of a GGUF (llama.cpp's keys): a layer is MoE when it has a router."""
-    arch = metadata["general.architecture"]
-    mlp_types = tuple(
-        MOE_MLP if f"blk.{i}.ffn_gate_inp.weight" in tensor_names else DENSE_MLP
-        for i in range(num_layers)
-    )
-    return dict(
-        mlp_types=mlp_types,
-        num_experts=int(metadata.get(f"{arch}.expert_count", 0)),
-        num_experts_per_tok=int(metadata.get(f"{arch}.expert_used_count", 0)),
-    )
-
-
 def config_from_gguf(
     metadata: Mapping[str, Any],
     tensor_names: set[str],
@@ -78,7 +61,7 @@ def config_from_gguf(
     """A llama-architecture GGUF with experts: the shared keys plus expert_count,
     expert_used_count; each expert is feed_forward_length wide."""
     fields = gguf_common_fields(metadata, tensor_names, dtype) | dict(model_type="mixtral")
-    moe_fields = gguf_moe_fields(metadata, tensor_names, fields["num_hidden_layers"])
+    moe_fields = moe.gguf_moe_fields(metadata, tensor_names, fields["num_hidden_layers"])
     return ModelConfig(
         **fields,
         **moe_fields,
@@ -87,23 +70,26 @@ def config_from_gguf(
     )
 
 
+def is_llama_with_experts(metadata: Mapping[str, Any]) -> bool:
+    """Whether a GGUF is llama.cpp's Mixtral: architecture `llama` with experts."""
+    return metadata.get("general.architecture") == "llama" and bool(
+        metadata.get("llama.expert_count")
+    )
+
+
 def from_gguf(hf_name: str, value: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return llama.unpermute_qk(hf_name, value, cfg)  # written as a llama by llama.cpp
 
 
 _DENSE = {"mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
-HF_LAYER = {k: v for k, v in llama.HF_LAYER.items() if k not in _DENSE} | {
-    "block_sparse_moe.gate.weight": "layers.router",
-    "block_sparse_moe.experts.*.w1.weight": "layers.w_gate_exps",
-    "block_sparse_moe.experts.*.w3.weight": "layers.w_up_exps",
-    "block_sparse_moe.experts.*.w2.weight": "layers.w_down_exps",
-}
-GGUF_LAYER = llama.GGUF_LAYER | {
-    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
-    "ffn_gate_exps.weight": "block_sparse_moe.experts.*.w1.weight",
-    "ffn_up_exps.weight": "block_sparse_moe.experts.*.w3.weight",
-    "ffn_down_exps.weight": "block_sparse_moe.experts.*.w2.weight",
-}
+_EXPERTS_HF, _EXPERTS_GGUF = moe.expert_name_maps(
+    "block_sparse_moe.gate.weight",
+    "block_sparse_moe.experts.*.w1.weight",  # gate
+    "block_sparse_moe.experts.*.w3.weight",  # up
+    "block_sparse_moe.experts.*.w2.weight",  # down
+)
+HF_LAYER = {k: v for k, v in llama.HF_LAYER.items() if k not in _DENSE} | _EXPERTS_HF
+GGUF_LAYER = llama.GGUF_LAYER | _EXPERTS_GGUF
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -113,7 +99,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 FAMILY = Family(
     name="mixtral",
     architectures={"mixtral": ("MixtralForCausalLM",)},
-    gguf_architectures=(),  # llama.cpp's "llama" with experts: llama.config_from_gguf
+    gguf_architectures=(),  # llama.cpp's "llama" with experts, claimed by gguf_claims
     config_from_hf=config_from_hf,
     config_from_gguf=config_from_gguf,
     param_shapes=param_shapes,
@@ -126,4 +112,5 @@ FAMILY = Family(
     logits=llama.logits,
     from_gguf=from_gguf,
     param_layers=moe.param_layers,
+    gguf_claims=is_llama_with_experts,
 )

@@ -42,6 +42,9 @@ per-device capacity (which would drop tokens or bound the routing).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -81,6 +84,35 @@ def with_experts(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig) -> dict[s
             "layers.w_down_exps": (num_moe, e, d, f),
         }
     return out
+
+
+def expert_name_maps(
+    router: str, gate: str, up: str, down: str
+) -> tuple[dict[str, str], dict[str, str]]:
+    """A family's per-layer names of the router and the experts, from their HF names (the
+    expert index written "*"): HF -> flat name, and llama.cpp's (experts stacked as
+    ffn_*_exps, the router as ffn_gate_inp) -> HF name."""
+    hf_names = (router, gate, up, down)
+    gguf_names = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    hf_layer = dict(zip(hf_names, EXPERT_PARAMS, strict=True))
+    gguf_layer = {f"{g}.weight": hf for g, hf in zip(gguf_names, hf_names, strict=True)}
+    return hf_layer, gguf_layer
+
+
+def gguf_moe_fields(
+    metadata: Mapping[str, Any], tensor_names: set[str], num_layers: int
+) -> dict[str, Any]:
+    """The MoE fields of a GGUF (llama.cpp's keys): a layer is MoE when it has a router."""
+    arch = metadata["general.architecture"]
+    mlp_types = tuple(
+        MOE_MLP if f"blk.{i}.ffn_gate_inp.weight" in tensor_names else DENSE_MLP
+        for i in range(num_layers)
+    )
+    return dict(
+        mlp_types=mlp_types,
+        num_experts=int(metadata.get(f"{arch}.expert_count", 0)),
+        num_experts_per_tok=int(metadata.get(f"{arch}.expert_used_count", 0)),
+    )
 
 
 def param_layers(cfg: ModelConfig, name: str) -> tuple[int, ...]:

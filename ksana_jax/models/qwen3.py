@@ -31,16 +31,22 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     )
 
 
+def gguf_fields(metadata: Mapping[str, Any], tensor_names: set[str], dtype: str) -> dict:
+    """The ModelConfig fields of a qwen3 (or qwen3moe) GGUF: the shared keys (llama.cpp
+    writes no sliding window for either)."""
+    arch = metadata["general.architecture"]
+    if metadata.get(f"{arch}.attention.sliding_window"):
+        raise ValueError(f"{arch}.attention.sliding_window is not supported for GGUF {arch}")
+    return gguf_common_fields(metadata, tensor_names, dtype) | dict(qk_norm=True)
+
+
 def config_from_gguf(
     metadata: Mapping[str, Any],
     tensor_names: set[str],
     dtype: str = "float32",
     read_tensor: Callable[[str], np.ndarray] | None = None,
 ) -> ModelConfig:
-    """Reads the shared GGUF keys (llama.cpp writes no sliding window for qwen3)."""
-    if metadata.get("qwen3.attention.sliding_window"):
-        raise ValueError("qwen3.attention.sliding_window is not supported for GGUF qwen3")
-    return ModelConfig(**gguf_common_fields(metadata, tensor_names, dtype), qk_norm=True)
+    return ModelConfig(**gguf_fields(metadata, tensor_names, dtype))
 
 
 FAMILY = Family(

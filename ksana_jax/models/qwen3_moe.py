@@ -12,20 +12,14 @@ qwen3moe's top-k weights, so a GGUF reads as norm_topk_prob = true.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from ksana_jax.config import (
-    DENSE_MLP,
-    MOE_MLP,
-    ModelConfig,
-    gguf_common_fields,
-    hf_common_fields,
-    require_value,
-)
-from ksana_jax.models import llama, mixtral, moe
+from ksana_jax.config import DENSE_MLP, MOE_MLP, ModelConfig
+from ksana_jax.models import llama, moe, qwen3
 from ksana_jax.models.registry import Family
 
 
@@ -43,16 +37,12 @@ def mlp_types(hf: Mapping[str, Any], num_experts: int) -> tuple[str, ...]:
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-    """Reads: Qwen3's fields, num_experts (or num_local_experts), num_experts_per_tok,
-    moe_intermediate_size, norm_topk_prob, mlp_only_layers, decoder_sparse_step."""
-    require_value(hf, "hidden_act", ("silu",), default="silu")
-    bias = bool(hf.get("attention_bias", False))
+    """Reads: Qwen3's fields (qwen3.config_from_hf), num_experts (or num_local_experts),
+    num_experts_per_tok, moe_intermediate_size, norm_topk_prob, mlp_only_layers,
+    decoder_sparse_step."""
     num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-    return ModelConfig(
-        **hf_common_fields(hf) | llama.sliding_layers(hf),
-        qkv_bias=bias,
-        o_bias=bias,
-        qk_norm=True,
+    return dataclasses.replace(
+        qwen3.config_from_hf(hf),
         mlp_types=mlp_types(hf, num_experts),
         num_experts=num_experts,
         num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
@@ -67,22 +57,27 @@ def config_from_gguf(
     dtype: str = "float32",
     read_tensor: Callable[[str], np.ndarray] | None = None,
 ) -> ModelConfig:
-    """The shared GGUF keys plus expert_count, expert_used_count and
+    """Qwen3's GGUF keys (qwen3.gguf_fields) plus expert_count, expert_used_count and
     expert_feed_forward_length."""
     arch = metadata["general.architecture"]
-    if metadata.get(f"{arch}.attention.sliding_window"):
-        raise ValueError(f"{arch}.attention.sliding_window is not supported for GGUF {arch}")
-    fields = gguf_common_fields(metadata, tensor_names, dtype) | dict(model_type="qwen3_moe")
     key = f"{arch}.expert_feed_forward_length"
     if key not in metadata:
         raise ValueError(f"GGUF metadata is missing {key}")
+    fields = qwen3.gguf_fields(metadata, tensor_names, dtype) | dict(model_type="qwen3_moe")
     return ModelConfig(
         **fields,
-        **mixtral.gguf_moe_fields(metadata, tensor_names, fields["num_hidden_layers"]),
-        qk_norm=True,
+        **moe.gguf_moe_fields(metadata, tensor_names, fields["num_hidden_layers"]),
         moe_intermediate_size=int(metadata[key]),
         norm_topk_prob=True,
     )
+
+
+_EXPERTS_HF, _EXPERTS_GGUF = moe.expert_name_maps(
+    "mlp.gate.weight",
+    "mlp.experts.*.gate_proj.weight",
+    "mlp.experts.*.up_proj.weight",
+    "mlp.experts.*.down_proj.weight",
+)
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -98,21 +93,9 @@ FAMILY = Family(
     param_shapes=param_shapes,
     param_axes=llama.PARAM_AXES | moe.PARAM_AXES,
     hf_top=llama.HF_TOP,
-    hf_layer=llama.HF_LAYER
-    | {
-        "mlp.gate.weight": "layers.router",
-        "mlp.experts.*.gate_proj.weight": "layers.w_gate_exps",
-        "mlp.experts.*.up_proj.weight": "layers.w_up_exps",
-        "mlp.experts.*.down_proj.weight": "layers.w_down_exps",
-    },
+    hf_layer=llama.HF_LAYER | _EXPERTS_HF,
     gguf_top=llama.GGUF_TOP,
-    gguf_layer=llama.GGUF_LAYER
-    | {
-        "ffn_gate_inp.weight": "mlp.gate.weight",
-        "ffn_gate_exps.weight": "mlp.experts.*.gate_proj.weight",
-        "ffn_up_exps.weight": "mlp.experts.*.up_proj.weight",
-        "ffn_down_exps.weight": "mlp.experts.*.down_proj.weight",
-    },
+    gguf_layer=llama.GGUF_LAYER | _EXPERTS_GGUF,
     forward=llama.forward,
     logits=llama.logits,
     param_layers=moe.param_layers,

@@ -83,6 +83,10 @@ class Family:
     param_layers: Callable[[ModelConfig, str], tuple[int, ...]] = lambda cfg, name: tuple(
         range(cfg.num_hidden_layers)
     )
+    # GGUF metadata -> whether this family reads the file although its general.architecture
+    # is another family's (llama.cpp writes Mixtral as a `llama` with experts). A file that
+    # one family claims goes to it; one no family claims goes by its architecture.
+    gguf_claims: Callable[[Mapping[str, Any]], bool] = lambda metadata: False
 
     def architecture(self, model_type: str) -> str:
         return self.architectures[model_type][0]
@@ -171,10 +175,18 @@ def config_from_gguf(
     dtype: str = "float32",
     read_tensor: Callable[[str], np.ndarray] | None = None,
 ) -> ModelConfig:
-    """ModelConfig from GGUF metadata and tensor names, read by the architecture's family;
-    `read_tensor(name)` gives a tensor's float32 values where the config needs them (a Llama
-    3.1 GGUF's rope_freqs.weight)."""
+    """ModelConfig from GGUF metadata and tensor names, read by the family that claims the
+    file (`Family.gguf_claims`) or else by the architecture's; `read_tensor(name)` gives a
+    tensor's float32 values where the config needs them (a Llama 3.1 GGUF's
+    rope_freqs.weight)."""
     arch = metadata.get("general.architecture")
+    claims = [f for f in _load().by_model_type.values() if f.gguf_claims(metadata)]
+    claims = list({id(f): f for f in claims}.values())  # a family serves several model types
+    if len(claims) > 1:
+        names = [f.name for f in claims]
+        raise ValueError(f"GGUF of architecture {arch!r} is claimed by families {names}")
+    if claims:
+        return claims[0].config_from_gguf(metadata, tensor_names, dtype, read_tensor)
     families = _load().by_gguf_architecture
     if arch not in families:
         raise ValueError(

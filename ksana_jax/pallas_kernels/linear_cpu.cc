@@ -10,8 +10,11 @@
 //
 // Work items: disjoint ranges of weight rows (output features), spread over XLA's intra-op
 // thread pool for a large W (kParallelBytes), so every core streams its own part of W, each
-// weight byte read once. An item
-// walks its rows kOutBlock at a time, and each block kChunk columns at a time:
+// weight byte read once. An item walks its rows kOutBlock at a time. The direct paths --
+// bfloat16 (vdpbf16ps), float32 (FMA), and int8 / int4 at up to kRowTile rows -- multiply
+// the block's rows straight from memory (dequantized in registers), prefetching
+// kPrefetchRows ahead. Otherwise (int8 / int4 at more rows, or no AVX512-BF16) each block
+// goes kChunk columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
 //            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;
 //   phase 2  for every kRowTile of x's rows (read from L1 / L2), a register tile of
@@ -38,6 +41,9 @@ namespace {
 
 constexpr int kLanes = 16;     // floats per vector (one AVX-512 register, two AVX2 ones)
 constexpr int kOutBlock = 4;   // weight rows per register tile
+// The direct paths prefetch the weight rows this far ahead (a prefetch past W's end is
+// dropped: it does not fault).
+constexpr int kPrefetchRows = 2 * kOutBlock;
 constexpr int kChunk = 512;    // columns dequantized at a time (a multiple of 32)
 // Products of fewer weight bytes run on the caller's thread alone: on this repo's loaded
 // 2-core machine XLA's pool threads started 0.1-10 ms after being scheduled, later than a
@@ -128,6 +134,7 @@ struct Problem {
   bool scales_f16, mins_f16;
   bool bf16;  // the product is bfloat16's: x and dequantized weights rounded to bfloat16
   int64_t groups;  // G
+  const int32_t* vector_group;  // int8: the group of each 16 columns (one past the end too)
   float* y;        // [R, O]
 };
 
@@ -240,8 +247,10 @@ void tile_dot_bf16(const Problem& pb, int64_t r0, const uint16_t* const* w, floa
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (pb.in % 32)) - 1);
   for (int64_t k = 0; k < pb.in; k += 32) {
     __m512i wv[kOutBlock];
-    for (int j = 0; j < kOutBlock; ++j)
+    for (int j = 0; j < kOutBlock; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + kPrefetchRows * pb.in + k), _MM_HINT_T0);
       wv[j] = k < full ? _mm512_loadu_si512(w[j] + k) : _mm512_maskz_loadu_epi16(tail, w[j] + k);
+    }
     for (int r = 0; r < RT; ++r) {
       const __m512i xv = _mm512_loadu_si512(pb.x_bf16 + (r0 + r) * pb.x_bf16_stride + k);
       for (int j = 0; j < kOutBlock; ++j)
@@ -283,8 +292,10 @@ void tile_dot_f32(const Problem& pb, int64_t r0, const float* const* w, float* a
   const __mmask16 tail = static_cast<__mmask16>((1u << (pb.in % kLanes)) - 1);
   for (int64_t k = 0; k < pb.in; k += kLanes) {
     __m512 wv[kOutBlock];
-    for (int j = 0; j < kOutBlock; ++j)
+    for (int j = 0; j < kOutBlock; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + kPrefetchRows * pb.in + k), _MM_HINT_T0);
       wv[j] = k < full ? _mm512_loadu_ps(w[j] + k) : _mm512_maskz_loadu_ps(tail, w[j] + k);
+    }
     for (int r = 0; r < RT; ++r) {
       const __m512 xv = _mm512_loadu_ps(pb.x + (r0 + r) * pb.x_stride + k);
       for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_fmadd_ps(xv, wv[j], sums[r][j]);
@@ -313,6 +324,127 @@ void block_f32(const Problem&, int64_t, int64_t, float*) {}
 #endif
 
 
+#if defined(__AVX512BF16__)
+constexpr bool kDirectQuant = true;
+
+inline float scale_value(const void* p, bool f16, int64_t i) {
+  return f16 ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+// int8 / int4 weights at up to kRowTile rows of x: each 32 columns of the block's weight rows
+// are dequantized in registers (widened to float32, times the scale, plus the minimum for
+// int4) and multiplied there -- for a bfloat16 product rounded to bfloat16 (vcvtne2ps2bf16,
+// to nearest even as XLA's convert) and multiplied by vdpbf16ps, else by float32 FMAs. No
+// scratch: the weight bytes are read once and touch no memory but the registers, so the
+// product streams half (int8) or a quarter (int4) of bfloat16's bytes at the same speed.
+// Groups of int8 scales are whole vectors of 16 columns, int4's are the 32 of a step.
+template <int RT, Kind K, bool kBF16>
+void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  int64_t rows[kOutBlock];
+  for (int j = 0; j < kOutBlock; ++j) rows[j] = o + (j < block ? j : 0);
+  __m512 sums[RT][kOutBlock];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
+  float s[kOutBlock][2];    // int8: the scales of this step's two vectors of 16 columns
+  int32_t g[2] = {-1, -1};  // and their groups
+  for (int64_t k = 0; k < pb.in; k += 32) {
+    __m512 lo[kOutBlock], hi[kOutBlock];  // columns k..k+15 and k+16..k+31
+    if constexpr (K == Kind::kInt8) {
+      for (int h = 0; h < 2; ++h) {
+        const int32_t group = pb.vector_group[k / 16 + h];
+        if (group == g[h]) continue;
+        g[h] = group;
+        for (int j = 0; j < kOutBlock; ++j)
+          s[j][h] = scale_value(pb.scales, pb.scales_f16, rows[j] * pb.groups + group);
+      }
+      const int64_t left = pb.in - k;
+      const __mmask16 m_lo = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+      const __mmask16 m_hi =
+          left >= 32 ? 0xffff : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+      for (int j = 0; j < kOutBlock; ++j) {
+        const int8_t* w = reinterpret_cast<const int8_t*>(pb.w) + rows[j] * pb.in + k;
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * pb.in), _MM_HINT_T0);
+        // Masked loads only at the tail: from memory they were ~10x slower here.
+        const __m128i b_lo = left >= 32 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w))
+                                        : _mm_maskz_loadu_epi8(m_lo, w);
+        const __m128i b_hi = left >= 32
+                                 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))
+                                 : _mm_maskz_loadu_epi8(m_hi, w + 16);
+        lo[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b_lo)),
+                              _mm512_set1_ps(s[j][0]));
+        hi[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b_hi)),
+                              _mm512_set1_ps(s[j][1]));
+      }
+    } else {  // int4: I % 32 == 0, one group a step (GGUF Q4_1's nibbles, see the top)
+      const __m128i low4 = _mm_set1_epi8(0xF);
+      for (int j = 0; j < kOutBlock; ++j) {
+        const int64_t gi = rows[j] * pb.groups + k / 32;
+        const __m512 sc = _mm512_set1_ps(scale_value(pb.scales, pb.scales_f16, gi));
+        const __m512 mn = _mm512_set1_ps(scale_value(pb.mins, pb.mins_f16, gi));
+        const uint8_t* w = reinterpret_cast<const uint8_t*>(pb.w) + (rows[j] * pb.in + k) / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * pb.in / 2), _MM_HINT_T0);
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+        const __m128i q_lo = _mm_and_si128(b, low4);
+        const __m128i q_hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+        lo[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_lo)), sc, mn);
+        hi[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_hi)), sc, mn);
+      }
+    }
+    if constexpr (kBF16) {
+      for (int j = 0; j < kOutBlock; ++j) {
+        const __m512bh w = _mm512_cvtne2ps_pbh(hi[j], lo[j]);
+        for (int r = 0; r < RT; ++r) {
+          const __m512i xv = _mm512_loadu_si512(pb.x_bf16 + r * pb.x_bf16_stride + k);
+          sums[r][j] = _mm512_dpbf16_ps(sums[r][j], (__m512bh)xv, w);
+        }
+      }
+    } else {
+      for (int r = 0; r < RT; ++r) {
+        const __m512 x_lo = _mm512_loadu_ps(pb.x + r * pb.x_stride + k);
+        const __m512 x_hi = _mm512_loadu_ps(pb.x + r * pb.x_stride + k + 16);
+        for (int j = 0; j < kOutBlock; ++j)
+          sums[r][j] = _mm512_fmadd_ps(x_hi, hi[j], _mm512_fmadd_ps(x_lo, lo[j], sums[r][j]));
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) acc[r * kOutBlock + j] = _mm512_reduce_add_ps(sums[r][j]);
+}
+
+template <Kind K, bool kBF16>
+void block_quant_rows(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  switch (pb.rows) {
+    case 4: tile_dot_quant<4, K, kBF16>(pb, o, block, acc); break;
+    case 3: tile_dot_quant<3, K, kBF16>(pb, o, block, acc); break;
+    case 2: tile_dot_quant<2, K, kBF16>(pb, o, block, acc); break;
+    default: tile_dot_quant<1, K, kBF16>(pb, o, block, acc); break;
+  }
+}
+
+void block_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  if (pb.kind == Kind::kInt8) {
+    if (pb.bf16) block_quant_rows<Kind::kInt8, true>(pb, o, block, acc);
+    else block_quant_rows<Kind::kInt8, false>(pb, o, block, acc);
+  } else if (pb.bf16) {
+    block_quant_rows<Kind::kInt4, true>(pb, o, block, acc);
+  } else {
+    block_quant_rows<Kind::kInt4, false>(pb, o, block, acc);
+  }
+}
+#else
+constexpr bool kDirectQuant = false;
+void block_quant(const Problem&, int64_t, int64_t, float*) {}
+#endif
+
+// Whether the block takes the direct path of its kind (no dequantized scratch).
+inline bool direct(const Problem& pb) {
+  switch (pb.kind) {
+    case Kind::kBF16: return kDotBF16;
+    case Kind::kF32: return kDirectF32;
+    default: return kDirectQuant && pb.rows <= kRowTile;
+  }
+}
+
 // One work item: weight rows [o_begin, o_end).
 void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
   alignas(64) static thread_local float w[kOutBlock * kChunk];
@@ -322,10 +454,10 @@ void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
   for (int64_t o = o_begin; o < o_end; o += kOutBlock) {
     const int64_t block = std::min<int64_t>(kOutBlock, o_end - o);
     std::fill(acc.begin(), acc.end(), 0.0f);
-    const bool bf16 = kDotBF16 && pb.kind == Kind::kBF16;
-    if (bf16 || (kDirectF32 && pb.kind == Kind::kF32)) {
-      if (bf16) block_bf16(pb, o, block, acc.data());
-      else block_f32(pb, o, block, acc.data());
+    if (direct(pb)) {
+      if (pb.kind == Kind::kBF16) block_bf16(pb, o, block, acc.data());
+      else if (pb.kind == Kind::kF32) block_f32(pb, o, block, acc.data());
+      else block_quant(pb, o, block, acc.data());
       for (int64_t r = 0; r < pb.rows; ++r)
         for (int64_t j = 0; j < block; ++j) pb.y[r * pb.out + o + j] = acc[r * kOutBlock + j];
       continue;
@@ -434,24 +566,32 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     return ffi::Error::InvalidArgument("bf16 is for bfloat16 or quantized weights");
   pb.y = y->typed_data();
   if (pb.rows == 0 || pb.out == 0) return ffi::Error::Success();
+  std::vector<int32_t> vector_group;
+  if (pb.kind == Kind::kInt8) {
+    vector_group.resize((pb.in + kLanes - 1) / kLanes + 1);
+    const int64_t group = pb.in / pb.groups;
+    for (size_t v = 0; v < vector_group.size(); ++v)
+      vector_group[v] = static_cast<int32_t>(std::min<int64_t>(v * kLanes / group, pb.groups - 1));
+    pb.vector_group = vector_group.data();
+  }
   // x as the tiles read it: a bfloat16 product multiplies x rounded to bfloat16 (XLA's dot
   // rounds it the same way), in bfloat16 for vdpbf16ps; float x is padded with zeros to
   // whole vectors when I is not a multiple of kLanes.
   const bool round_x = pb.bf16;
   std::vector<float> padded;
   std::vector<uint16_t> x_bf16;
-  if (pb.kind == Kind::kBF16 && kDotBF16) {
+  if ((pb.kind == Kind::kBF16 || pb.bf16) && direct(pb)) {
     pb.x_bf16_stride = (pb.in + 31) / 32 * 32;
     x_bf16.assign(pb.rows * pb.x_bf16_stride, 0);
     for (int64_t r = 0; r < pb.rows; ++r)
       for (int64_t k = 0; k < pb.in; ++k)
         x_bf16[r * pb.x_bf16_stride + k] = f32_to_bf16(x.typed_data()[r * pb.in + k]);
     pb.x_bf16 = x_bf16.data();
-  } else if (pb.in % kLanes == 0 && !round_x) {
+  } else if (pb.in % (2 * kLanes) == 0 && !round_x) {
     pb.x = x.typed_data();
     pb.x_stride = pb.in;
-  } else {
-    pb.x_stride = (pb.in + kLanes - 1) / kLanes * kLanes;
+  } else {  // whole steps of 32 columns (the direct int8 path reads x 32 at a time)
+    pb.x_stride = (pb.in + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
     padded.assign(pb.rows * pb.x_stride, 0.0f);
     for (int64_t r = 0; r < pb.rows; ++r)
       for (int64_t k = 0; k < pb.in; ++k) {
