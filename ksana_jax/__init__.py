@@ -4,8 +4,14 @@ Public API: `LLM` and `SamplingParams` (offline generation with continuous batch
 `StructuredOutputsParams` constrains an output),
 `EngineConfig`, `load` (checkpoint directory, HF directory or GGUF -> Model), `ModelConfig`,
 `Tokenizer`, and `generate` (single request, no scheduler).
+
+Importing it sets glibc's malloc to keep freed blocks before the JAX CPU runtime starts
+(host_memory.py: XLA:CPU's per-step temporaries otherwise page-fault in every step);
+`KSANA_JAX_KEEP_FREED_MEMORY=0` turns that off.
 """
 
+# First: host_memory sets malloc up on import, before anything starts the JAX CPU runtime.
+from ksana_jax import host_memory  # noqa: F401
 from ksana_jax.config import EngineConfig, ModelConfig
 from ksana_jax.generate import generate
 from ksana_jax.llm import LLM

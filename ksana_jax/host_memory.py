@@ -1,0 +1,61 @@
+"""Host memory: make glibc's malloc keep freed blocks for the next XLA:CPU step.
+
+XLA:CPU allocates every execution's temporaries as one block (113 MB for the 64-row step
+of a 49,152-token vocabulary: the sampler's [rows, vocab] passes and the prompt-logprob
+projection) and frees it when the step ends. glibc serves a block that large with a fresh
+`mmap` from the runtime's worker threads, so every step page-faults in each page it touches:
+the LM head's float32 logits alone are 12.6 MB, ~3,300 faults and ~6 ms of kernel time a
+step (measured: benchmarks/host_overhead.py, tiny model, 64 rows), more than the product
+itself (~5 ms). vLLM-CPU avoids the same cost by preloading tcmalloc into its workers.
+
+`keep_freed_blocks` does it in-process with `mallopt`: one arena for every thread, no
+`mmap` for large blocks and no trimming, so the step's block is reused from the heap and
+its pages stay mapped. The cost: freed memory is kept by the process for reuse rather than
+returned to the system (its resident size stays at its peak). It must run before the JAX
+CPU runtime starts its threads (an arena is chosen per thread at its first allocation), so
+it runs when this module is imported, first thing in `import ksana_jax`;
+`KSANA_JAX_KEEP_FREED_MEMORY=0` in the environment turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+ENV = "KSANA_JAX_KEEP_FREED_MEMORY"
+
+# glibc's malloc.h
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+
+
+def keep_freed_blocks() -> bool:
+    """Sets glibc's malloc to keep freed blocks (see the module docstring); True when it
+    did, False where it does not apply (not Linux with glibc) or `KSANA_JAX_KEEP_FREED_MEMORY`
+    is 0, false, off or no."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    # glibc only (musl's mallopt does nothing)
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+        return False
+    mallopt = libc.mallopt
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    done = [
+        mallopt(_M_ARENA_MAX, 1),
+        mallopt(_M_MMAP_MAX, 0),
+        mallopt(_M_TRIM_THRESHOLD, 2**31 - 1),
+    ]
+    return all(done)
+
+
+KEPT = keep_freed_blocks()
