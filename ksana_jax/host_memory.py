@@ -15,12 +15,18 @@ returned to the system (its resident size stays at its peak). It must run before
 CPU runtime starts its threads (an arena is chosen per thread at its first allocation), so
 it runs when this module is imported, first thing in `import ksana_jax`;
 `KSANA_JAX_KEEP_FREED_MEMORY=0` in the environment turns it off.
+
+Only where JAX will compute on the CPU: `JAX_PLATFORMS` says cpu, or it is unset and the
+machine has no GPU or TPU device files. With an accelerator the step's temporaries live in
+device memory, and a host that stages a checkpoint through its RAM should get that memory
+back (`KSANA_JAX_KEEP_FREED_MEMORY=1` forces the setting there).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import glob
 import os
 import sys
 
@@ -31,12 +37,28 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
 
+# Device files of NVIDIA GPUs and TPUs (v2-v4 /dev/accel*, v5e and later /dev/vfio).
+ACCELERATOR_FILES = ("nvidia[0-9]*", "accel[0-9]*", "vfio/[0-9]*")
+
+
+def computes_on_cpu(environ=os.environ, dev: str = "/dev") -> bool:
+    """Whether JAX will compute on the CPU, judged without starting it: `JAX_PLATFORMS`
+    names cpu first, or is unset and `dev` has no GPU or TPU device files."""
+    platforms = environ.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        return platforms.split(",")[0] == "cpu"
+    return not any(glob.glob(os.path.join(dev, pattern)) for pattern in ACCELERATOR_FILES)
+
 
 def keep_freed_blocks() -> bool:
     """Sets glibc's malloc to keep freed blocks (see the module docstring); True when it
-    did, False where it does not apply (not Linux with glibc) or `KSANA_JAX_KEEP_FREED_MEMORY`
-    is 0, false, off or no."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+    did, False where it does not apply (not Linux with glibc; an accelerator, unless
+    `KSANA_JAX_KEEP_FREED_MEMORY` is 1) or `KSANA_JAX_KEEP_FREED_MEMORY` is 0, false, off
+    or no."""
+    setting = os.environ.get(ENV, "").strip().lower()
+    if setting in ("0", "false", "off", "no"):
+        return False
+    if setting not in ("1", "true", "on", "yes") and not computes_on_cpu():
         return False
     if not sys.platform.startswith("linux"):
         return False
