@@ -418,6 +418,16 @@ def test_cpu_backends_match_oracle_float16_kv(backend, num_kv_heads, group, head
             raise AssertionError(f"scenario {name!r}: {e}") from None
 
 
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 3, 64), (1, 8, 128)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["f32", "f16"])
+def test_cpu_kernel_large_steps_on_the_pool(dtype, num_kv_heads, group, head_dim):
+    """SCENARIOS' steps are all below the CPU kernel's kParallelWork (16384 positions x
+    queries), so it runs them on the caller's thread; these rows (~20-26 k) go to the pool."""
+    rows = [(100, 27), (90, 20), (60, 17)]
+    args = make_batch(rows, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype)
+    check_against_oracle(BACKENDS["cpu"], args, atol=1e-5 if dtype == jnp.float32 else BF16_ATOL)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_tpu_kernel_under_tpu_interpret_semantics(dtype, capsys):
     """pltpu.InterpretParams: uninitialised VMEM is NaN, out-of-bounds reads raise, a DMA's

@@ -490,6 +490,10 @@ struct SharedState {
 };
 
 void run_items(ffi::ThreadPool& pool, const Problem& pb) {
+  if (pb.weight_bytes < kParallelBytes) {  // the caller alone: no shared state to set up
+    run_rows(pb, 0, pb.out);
+    return;
+  }
   const int64_t workers = pool.num_threads() + 1;
   // About 4 items a worker, for balance when a core is busy elsewhere; whole register tiles.
   int64_t rows = (pb.out + 4 * workers - 1) / (4 * workers);
@@ -506,9 +510,7 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb) {
     }
     state->active.fetch_sub(1);
   };
-  const int64_t helpers = pb.weight_bytes < kParallelBytes
-                              ? 0
-                              : std::min<int64_t>(pool.num_threads(), state->num_items - 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), state->num_items - 1);
   for (int64_t t = 0; t < helpers; ++t) {
     auto task = worker;  // Schedule takes its task by value (an rvalue)
     pool.Schedule(std::move(task));

@@ -54,6 +54,11 @@ constexpr int kTile = 16;        // key positions per tile (one AVX-512 register
 constexpr int kQueryBlock = 16;  // new tokens of a row per work item
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 16;    // query heads per KV head
+// Steps with less work than this (positions read times the queries that read them) run on
+// the caller's thread alone, as linear_cpu.cc's small products: a batch-1 decode layer's
+// attention is a few microseconds of work, and handing items to XLA's pool cost ~50 us a
+// call on this repo's loaded 2-core machine (SmolLM2 bfloat16 decode: 30 calls a step).
+constexpr int64_t kParallelWork = 16384;
 
 // 16-bit floats to float32. bfloat16 is float32's top half; float16 goes through F16C when
 // the build machine has it, else a bit-exact scalar conversion.
@@ -365,6 +370,13 @@ struct SharedState {
 };
 
 void run_items(ffi::ThreadPool& pool, const Problem& pb, const std::vector<Item>& items) {
+  const int64_t group = pb.num_heads / pb.num_kv_heads;
+  int64_t amount = 0;
+  for (const Item& item : items) amount += int64_t{item.last - item.lo + 1} * item.count * group;
+  if (amount < kParallelWork) {
+    for (const Item& item : items) attend_any(pb, item);
+    return;
+  }
   auto state = std::make_shared<SharedState>(static_cast<int64_t>(items.size()));
   const Problem* problem = &pb;
   const Item* work = items.data();
