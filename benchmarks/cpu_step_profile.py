@@ -14,17 +14,17 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import itertools
 import json
 import re
 import tempfile
 from pathlib import Path
 
 import jax
+from host_overhead import demo_checkpoint, engine_options, random_prompts
 
 import ksana_jax
 from ksana_jax import LLM, SamplingParams
-
-from host_overhead import demo_checkpoint, engine_options, random_prompts
 
 # Thunk name (without its numeric suffix) -> category, as XLA:CPU names SmolLM2's fusions.
 CATEGORIES = {
@@ -56,12 +56,16 @@ def category(name: str, previous: str, lm_head: str) -> str:
 
 def thunk_events(trace_dir: Path) -> list[dict]:
     path = next(trace_dir.glob("**/*.trace.json.gz"))
-    data = json.load(gzip.open(path))
+    with gzip.open(path) as f:
+        data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
     skip = ("$", "end:", "ThunkExecutor", "Threadpool")
     return sorted(
-        (e for e in events if e.get("ph") == "X" and not e["name"].startswith(skip)
-         and "Execute" not in e["name"]),
+        (
+            e
+            for e in events
+            if e.get("ph") == "X" and not e["name"].startswith(skip) and "Execute" not in e["name"]
+        ),
         key=lambda e: e["ts"],
     )
 
@@ -78,10 +82,15 @@ def table(events: list[dict]) -> None:
     heads = [e for e in events if e["name"] == lm_head]
     busy, count = collections.Counter(), collections.Counter()
     inside_gaps = between = 0.0
-    for a, b in zip(heads, heads[1:]):
-        thunks = [e for e in events if a["ts"] + a["dur"] <= e["ts"] <= b["ts"] and e["tid"] == b["tid"]]
+    for a, b in itertools.pairwise(heads):
+        thunks = [
+            e for e in events if a["ts"] + a["dur"] <= e["ts"] <= b["ts"] and e["tid"] == b["tid"]
+        ]
         # The widest gap separates step a's sampler from step b's first thunk.
-        cut = max(range(1, len(thunks)), key=lambda i: thunks[i]["ts"] - thunks[i - 1]["ts"] - thunks[i - 1]["dur"])
+        cut = max(
+            range(1, len(thunks)),
+            key=lambda i: thunks[i]["ts"] - thunks[i - 1]["ts"] - thunks[i - 1]["dur"],
+        )
         between += thunks[cut]["ts"] - thunks[cut - 1]["ts"] - thunks[cut - 1]["dur"]
         for e in thunks[:cut]:
             busy["sampler (after the LM head)"] += e["dur"]
@@ -96,12 +105,16 @@ def table(events: list[dict]) -> None:
                 inside_gaps += max(0.0, e["ts"] - thunks[i - 1]["ts"] - thunks[i - 1]["dur"])
     n = len(heads) - 1
     total = sum(busy.values())
-    print(f"{n} decode steps: thunks {total / n / 1e3:.2f} ms a step busy, "
-          f"{inside_gaps / n / 1e3:.2f} ms of gaps between them, "
-          f"{between / n / 1e3:.2f} ms between steps (host, wake-up)")
+    print(
+        f"{n} decode steps: thunks {total / n / 1e3:.2f} ms a step busy, "
+        f"{inside_gaps / n / 1e3:.2f} ms of gaps between them, "
+        f"{between / n / 1e3:.2f} ms between steps (host, wake-up)"
+    )
     print(f"| {'category':30s} | ms/step | thunks/step | share |")
     for name, us in busy.most_common():
-        print(f"| {name:30s} | {us / n / 1e3:7.3f} | {count[name] / n:11.1f} | {100 * us / total:4.1f}% |")
+        print(
+            f"| {name:30s} | {us / n / 1e3:7.3f} | {count[name] / n:11.1f} | {100 * us / total:4.1f}% |"
+        )
 
 
 def main() -> None:
