@@ -113,7 +113,8 @@ def table(events: list[dict]) -> None:
     print(f"| {'category':30s} | ms/step | thunks/step | share |")
     for name, us in busy.most_common():
         print(
-            f"| {name:30s} | {us / n / 1e3:7.3f} | {count[name] / n:11.1f} | {100 * us / total:4.1f}% |"
+            f"| {name:30s} | {us / n / 1e3:7.3f} | {count[name] / n:11.1f} "
+            f"| {100 * us / total:4.1f}% |"
         )
 
 
