@@ -348,17 +348,24 @@ def _bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
 
 
 def _with_decode_bucket(config: EngineConfig, model: Model) -> EngineConfig:
-    """`config` with a 1-token bucket first when its token buckets are the derived default
+    """`config` with small token buckets first when its token buckets are the derived default
     (left unset, or set to exactly those) and linear_cpu's kernel takes the model's matrices
-    at one row (bfloat16 or quantized weights on a CPU): batch-1 decode then streams them
-    through the kernel instead of padding to 16 rows for XLA's dot (one more compiled shape:
-    the fewest sequences)."""
+    at that many rows (bfloat16 or quantized weights on a CPU): a 1-token bucket for batch-1
+    decode and, with speculative decoding, one for a verifying row (its last token and k
+    proposals, rounded up to a power of two). Those steps then stream the weights through
+    the kernel instead of padding to the smallest derived bucket for XLA's dot (one more
+    compiled shape each: the fewest sequences)."""
     derived = dataclasses.replace(config, token_buckets=()).token_buckets
-    if config.token_buckets != derived or derived[0] == 1:
+    if config.token_buckets != derived:
         return config
-    if not linear_cpu.takes_one_row(model.params):
+    small = {1}
+    if config.speculative is not None:
+        small.add(1 << config.speculative.num_speculative_tokens.bit_length())  # >= k + 1
+    most = linear_cpu.rows_taken(model.params)
+    small = {b for b in small if b <= most and b < derived[0]}
+    if not small:
         return config
-    return dataclasses.replace(config, token_buckets=(1, *derived))
+    return dataclasses.replace(config, token_buckets=(*sorted(small), *derived))
 
 
 def resolve_num_pages(

@@ -256,6 +256,11 @@ def test_bfloat16_on_cpu_decodes_one_sequence_in_a_one_token_step(tiny_model):
     chosen = LLM(tiny_model, warm_up=False, dtype="bfloat16", **(BASE | {"token_buckets": (8, 64)}))
     assert chosen.engine.runner.config.token_buckets == (8, 64)
     assert LLM(tiny_model, warm_up=False, **BASE).engine.runner.config.token_buckets == (16, 64)
+    # With speculation, a verifying row's k + 1 tokens get a step of their own (k = 3: 4).
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    verifying = LLM(tiny_model, warm_up=False, dtype="bfloat16", speculative_config=spec, **BASE)
+    small = (1, 4) if linear_cpu.available() else ()
+    assert verifying.engine.runner.config.token_buckets == (*small, 16, 64)
 
 
 def test_bfloat16_engine_keeps_a_float16_kv_on_cpu(tiny_model):

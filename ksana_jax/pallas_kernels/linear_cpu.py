@@ -30,11 +30,12 @@ TARGET = "ksana_linear_cpu"
 _SYMBOL = "KsanaLinearCpu"
 # Rows up to which `layers.linear` takes the kernel, by weight format: beyond them XLA's
 # dot was as fast or faster on one SmolLM2 decode step's products (benchmarks/linear_cpu.py
-# --shapes smollm2, this repo's loaded 2-core AVX-512 machine; kernel / XLA time: bfloat16
-# 0.46x at 1 row, 1.2x at 2; int8 0.23x at 1, 0.53x at 8; int4 0.1-0.3x at 1-16 per
-# product). float32 stays on XLA's matrix-vector product: at 1 row it was 1.1-3x faster
-# than the kernel ([576, 576], [1536, 576], [576, 1536], [49152, 576], weights from memory).
-MAX_ROWS = {"float32": 0, "bfloat16": 1, "int8": 8, "int4": 16}
+# --shapes smollm2, this repo's loaded 2-core AVX-512 machine; kernel / XLA time: bfloat16,
+# with prefetching, 0.44x at 2 rows, 0.58x at 5, 0.73x at 8, 0.94x at 16; int8 0.23x at
+# 1, 0.53x at 8; int4 0.1-0.3x at 1-16 per product). float32 stays on XLA's matrix-vector
+# product: at 1 row it was 1.1-3x faster than the kernel ([576, 576], [1536, 576],
+# [576, 1536], [49152, 576], weights from memory).
+MAX_ROWS = {"float32": 0, "bfloat16": 8, "int8": 8, "int4": 16}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 # KSANA_JAX_CPU_LINEAR=0 keeps XLA's dot everywhere (a before/after comparison in one run).
 ENABLED = os.environ.get("KSANA_JAX_CPU_LINEAR", "1") != "0"
@@ -72,17 +73,18 @@ def takes(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> bool:
     return (mesh.empty or mesh.size == 1) and available()
 
 
-def takes_one_row(params) -> bool:
-    """Whether `layers.linear` runs some matrix of `params` (a params pytree, layers possibly
-    stacked) through the kernel at one row on this machine: then a 1-token step is worth
-    compiling for batch-1 decode (runner.py). False on a mesh of several devices."""
+def rows_taken(params) -> int:
+    """The most rows at which `layers.linear` runs some matrix of `params` (a params pytree,
+    layers possibly stacked) through the kernel on this machine, 0 for none: token buckets
+    up to it are worth compiling for decode (runner.py). 0 on a mesh of several devices."""
     if not ENABLED or jax.default_backend() != "cpu" or jax.device_count() > 1:
-        return False
+        return 0
+    most = 0
     for w in jax.tree.leaves(params, is_leaf=quant.is_quantized):
         fmt = w.format if quant.is_quantized(w) else jnp.dtype(w.dtype).name
-        if len(w.shape) >= 2 and MAX_ROWS.get(fmt, 0) >= 1:
-            return available()
-    return False
+        if len(w.shape) >= 2:
+            most = max(most, MAX_ROWS.get(fmt, 0))
+    return most if most and available() else 0
 
 
 def _operands(w: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, jax.Array, jax.Array]:
