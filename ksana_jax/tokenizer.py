@@ -313,8 +313,12 @@ _ENV.globals["strftime_now"] = _strftime_now
 
 
 def render_chat_template(template: str, **variables: Any) -> str:
-    """Renders a Hugging Face chat template string with the given variables."""
-    return _ENV.from_string(template).render(**variables)
+    """Renders a Hugging Face chat template string with the given variables; a template
+    that does not parse or render (a request's own, say) raises TemplateError."""
+    try:
+        return _ENV.from_string(template).render(**variables)
+    except jinja2.TemplateError as e:  # syntax, undefined, sandbox security errors
+        raise TemplateError(f"{type(e).__name__}: {e}") from None
 
 
 class IncrementalDetokenizer:

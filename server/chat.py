@@ -45,17 +45,43 @@ async def _chat_prompt(state: ServerState, data: s.ChatCompletionRequest) -> lis
     return await state.work.encode(text, add_special_tokens=False)
 
 
+# Template variables the server sets itself: chat_template_kwargs may not replace them.
+_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
 def chat_text(tokenizer: Tokenizer, data: s.ChatCompletionRequest | s.TokenizeRequest) -> str:
-    """The chat template applied to a body's messages and tools (run it off the event loop)."""
-    extra = {} if data.tools is None else {"tools": data.tools}
+    """The chat template applied to a body's messages and tools (run it off the event loop):
+    the checkpoint's or the body's `chat_template`, with `chat_template_kwargs` as more
+    template variables and vLLM's `add_generation_prompt` / `continue_final_message`."""
+    extra = dict(data.chat_template_kwargs or {})
+    taken = sorted(set(extra) & {*_TEMPLATE_VARIABLES, "continue_final_message", "chat_template"})
+    if taken:
+        raise APIError(
+            400,
+            f"chat_template_kwargs may not set {', '.join(taken)} (the body's own fields do)",
+            param="chat_template_kwargs",
+        )
+    if data.tools is not None:
+        extra["tools"] = data.tools
+    add_generation_prompt = data.add_generation_prompt is not False  # null: the default
+    continue_final = bool(data.continue_final_message)
+    if continue_final and add_generation_prompt:  # vLLM's rule: send it false
+        raise APIError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )
     try:
         return tokenizer.apply_chat_template(
             template_messages(data.messages),
-            add_generation_prompt=data.add_generation_prompt,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final,
+            chat_template=data.chat_template,
             **extra,
         )
     except (TemplateError, ValueError) as e:
-        raise APIError(400, f"chat template: {e}", param="messages") from None
+        param = "chat_template" if data.chat_template is not None else "messages"
+        raise APIError(400, f"chat template: {e}", param=param) from None
 
 
 @post("/v1/chat/completions", status_code=200, guards=[require_api_key])

@@ -134,6 +134,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: NonNegInt | None = None
     add_generation_prompt: bool | None = True
+    # vLLM's: leave the last (assistant) message open, a template of the request's own
+    # (sandboxed Jinja, as the checkpoint's), more template variables
+    continue_final_message: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -145,6 +150,9 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tools: list[dict[str, Any]] | None = None  # given to the chat template with messages
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False  # as in ChatCompletionRequest
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -556,6 +556,21 @@ def test_null_means_the_default(server):
     assert got.json()["choices"] == want.json()["choices"]
 
 
+def test_chat_takes_vllms_template_fields(server):
+    """continue_final_message (with add_generation_prompt false) prompts with the template
+    /tokenize renders for the same fields; both true is a 400 naming the field."""
+    messages = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6 w7"}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    body = CHAT_OK | {"messages": messages, "max_tokens": 1} | fields
+    got = post(server, "/v1/chat/completions", body)
+    assert got.status_code == 200, got.text
+    tokens = post(server, "/tokenize", {"messages": messages} | fields)
+    assert got.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
+    both = post(server, "/v1/chat/completions", body | {"add_generation_prompt": True})
+    assert both.status_code == 400, both.text
+    assert both.json()["error"]["param"] == "continue_final_message"
+
+
 def test_other_errors(server):
     too_long = post(server, "/v1/completions", OK | {"max_tokens": 127})
     assert too_long.status_code == 400

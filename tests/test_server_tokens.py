@@ -54,6 +54,36 @@ def test_tokenize_chat_messages_through_the_template(app):
     assert response.json()["tokens"] == tokenizer.encode(text, add_special_tokens=False)
 
 
+def test_tokenize_chat_with_vllms_template_fields(app):
+    """continue_final_message, a body's own chat_template and chat_template_kwargs render
+    as the tokenizer renders them; clashes are 400s naming the field."""
+    http, tokenizer = app
+    messages = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7 w8"}]
+    body = {"messages": messages, "add_generation_prompt": False}
+    response = http.post("/tokenize", json=body | {"continue_final_message": True})
+    assert response.status_code == 200, response.text
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text.rstrip().endswith("w7 w8")
+    assert response.json()["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    template = "{% for m in messages %}{{ greeting }} {{ m['content'] }} {% endfor %}"
+    own = body | {"chat_template": template, "chat_template_kwargs": {"greeting": "w9"}}
+    response = http.post("/tokenize", json=own)
+    assert response.status_code == 200, response.text
+    assert response.json()["tokens"] == tokenizer.encode(
+        "w9 w5 w6 w9 w7 w8 ", add_special_tokens=False
+    )
+    for bad, param in [
+        ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"chat_template": "{% for %}"}, "chat_template"),
+    ]:
+        response = http.post("/tokenize", json={"messages": messages} | bad)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+
+
 @pytest.mark.parametrize(
     "path, body, status, param",
     [
