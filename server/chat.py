@@ -45,8 +45,11 @@ async def _chat_prompt(state: ServerState, data: s.ChatCompletionRequest) -> lis
     return await state.work.encode(text, add_special_tokens=False)
 
 
-# Template variables the server sets itself: chat_template_kwargs may not replace them.
-_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+# What the body's own fields (or the tokenizer) set: chat_template_kwargs may not replace it.
+_RESERVED = {
+    "messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template",
+    "bos_token", "eos_token",
+}  # fmt: skip
 
 
 def chat_text(tokenizer: Tokenizer, data: s.ChatCompletionRequest | s.TokenizeRequest) -> str:
@@ -54,7 +57,7 @@ def chat_text(tokenizer: Tokenizer, data: s.ChatCompletionRequest | s.TokenizeRe
     the checkpoint's or the body's `chat_template`, with `chat_template_kwargs` as more
     template variables and vLLM's `add_generation_prompt` / `continue_final_message`."""
     extra = dict(data.chat_template_kwargs or {})
-    taken = sorted(set(extra) & {*_TEMPLATE_VARIABLES, "continue_final_message", "chat_template"})
+    taken = sorted(set(extra) & _RESERVED)
     if taken:
         raise APIError(
             400,
