@@ -118,6 +118,22 @@ def test_linear_dispatches_int4_to_the_kernel_on_gpu_and_tpu_only():
     close(layers.linear(x, w), quant_matmul.matmul_gpu(x, w, interpret=True))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_scaled_product_equals_dequantize_then_dot(dtype):
+    """int8 with one scale per output channel as linear multiplies it on GPU and TPU,
+    (x . values^T) * scales, against the oracle with the exact (float32) dequantized
+    weight: the values are exact in bfloat16 and the scale is applied in float32, so it
+    matches at float32 tolerance in both dtypes."""
+    rng = np.random.default_rng(4)
+    w = quant.quantize(rng.standard_normal((70, 352)).astype(np.float32), "int8", dtype)
+    w = jax.tree.map(jnp.asarray, w)
+    x = jnp.asarray(rng.standard_normal((5, 352)), jnp.float32)
+    want = jnp.dot(
+        x.astype(dtype).astype(jnp.float32), quant.dequantize(w, "float32").T, precision="highest"
+    )
+    close(quant.scaled_product(x, w), want)
+
+
 TP_SCRIPT = """
 import json, sys
 import jax, numpy as np
