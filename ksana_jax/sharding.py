@@ -5,9 +5,10 @@ In: the tensor-parallel size (`EngineConfig.tensor_parallel_size`), the number o
 the sharding of each parameter (by its checkpoint name), of the KV array and of the step's
 inputs (replicated). The jitted step is plain GSPMD: its arguments carry these shardings and
 XLA partitions the computation, adding one all-reduce of f32[T, D] after each row-parallel
-matmul. Only the Pallas kernels, which XLA cannot partition, run under `shard_map`
-(`shard_over_heads`, used by pallas_kernels). One device is the 1 x 1 x 1 mesh of the same
-code.
+matmul. Only the Pallas kernels, which XLA cannot partition, run under `shard_map`: the
+attention ones by heads (`shard_over_heads`, used by pallas_kernels), the int4 matmuls by
+the split `with_splits` records on each int4 matrix (pallas_kernels/quant_matmul.py). One
+device is the 1 x 1 x 1 mesh of the same code.
 
 Mesh axes (tp = model x kv_replica devices hold one copy of the model between them):
 

@@ -31,6 +31,12 @@ address), and accumulates in float32. With few output tiles (decode's one row ti
 products are summed after the kernel, so every SM streams weights. Float32 x multiplies
 with 3xTF32 (float32 accuracy).
 
+Under tensor parallelism (`matmul` in a mesh of several devices) each device runs the
+kernel on its own shard of w under shard_map, as the sharding plan placed it
+(`Int4Matrix.split`, see `sharded`): column-parallel matrices give each device its output
+columns, row-parallel ones (input dim split along whole groups) sum the devices' partial
+products with one all-reduce.
+
 Both are checked against `quant.dequantize` then a dot in tests/test_quant_matmul.py (in
 Pallas's interpreter on CPU) and compiled for an L4 / H200 and a v5e without the hardware by
 benchmarks/quant_matmul_compile.py.
