@@ -154,7 +154,7 @@ result = []
 for tp in (2, 4):
     model = ksana_jax.load(sys.argv[1], tensor_parallel_size=tp, quantization="int4")
     for platform in ("gpu", "tpu"):
-        seen = set()  # one column-parallel and one row-parallel matrix each
+        seen = set()  # one column-parallel, one row-parallel and one replicated matrix each
         for w1, w in zip(one, matrices(model), strict=True):
             x = rng.standard_normal((5, w.shape[1])).astype(np.float32)
             kind = w.split and tuple(map(bool, w.split))
@@ -174,12 +174,14 @@ def test_kernels_under_tensor_parallelism_equal_one_device(tmp_path):
     """tp=2 and 4 on forced CPU devices: every int4 matrix of a model placed by its plan
     runs in both kernels (Pallas's interpreter) on each device's shard under shard_map --
     column-parallel ones per output slice, row-parallel ones on their input slice with the
-    partial products summed -- and equals the one-device kernel."""
+    partial products summed, replicated ones whole -- and equals the one-device kernel."""
     path = tmp_path / "hf"
     # Every input dim a multiple of 256 per device at tp=2 (and the MLP's at tp=4) so the
-    # TPU kernel takes both splits too; heads split at both sizes.
+    # TPU kernel takes both splits too; heads split at both sizes; a vocabulary of 163
+    # divides by neither, so the embedding and LM head are replicated.
     write_tiny_hf(
         path,
+        vocab_size=163,
         hidden_size=256,
         intermediate_size=1024,
         num_attention_heads=8,
@@ -200,6 +202,7 @@ def test_kernels_under_tensor_parallelism_equal_one_device(tmp_path):
     for tp, platform, split, error in result:
         assert error < 2e-5, (tp, platform, split, error)
     ran = {(tp, platform, bool(out), bool(inp)) for tp, platform, (out, inp), _ in result}
+    kinds = ((True, False), (False, True), (False, False))  # column, row, replicated
     for tp in (2, 4):
         for platform in ("gpu", "tpu"):
-            assert {(tp, platform, True, False), (tp, platform, False, True)} <= ran, ran
+            assert {(tp, platform, *kind) for kind in kinds} <= ran, ran

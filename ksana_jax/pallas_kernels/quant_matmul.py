@@ -98,7 +98,7 @@ def matmul(x: jax.Array, w: Int4Matrix, platform: str, *, interpret: bool = Fals
     x2 = x.reshape(-1, x.shape[-1]).astype(w.dtype)
     fn = functools.partial(matmul_tpu if platform == "tpu" else matmul_gpu, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
-    if not (mesh.empty or mesh.size == 1) and w.split is not None and any(w.split):
+    if not (mesh.empty or mesh.size == 1) and w.split is not None:
         fn = sharded(fn, mesh, w)
     return fn(x2, w).reshape(*lead, w.shape[0])
 
@@ -112,7 +112,8 @@ def sharded(fn, mesh: jax.sharding.AbstractMesh, w: Int4Matrix):
     (w.split): a column-parallel matrix (O split) gives each device its slice of y's
     columns from the whole x; a row-parallel one (I split along whole groups of 32) takes
     the matching slice of x's columns, and the devices' partial products are summed (one
-    all-reduce of f32[M, O], what XLA adds after the same float matmul)."""
+    all-reduce of f32[M, O], what XLA adds after the same float matmul); a replicated one
+    (a dim its devices do not divide) runs whole on every device."""
     out_axes, in_axes = (axes or None for axes in w.split)
     spec = P(out_axes, in_axes)  # packed [O, I/2], scales and mins [O, I/32] alike
 
