@@ -117,6 +117,7 @@ def abstract_model(
         for n, shape in registry.param_shapes(config).items()
     }
     params = jax.eval_shape(lambda f: registry.params_from_flat(f, config), flat)
+    params = plan.with_splits(params)  # as shard_params marks them
     params = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         params,
@@ -353,17 +354,21 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", re.M)
 
 
 def unfused_weight_copies(hlo_text: str, model: Model) -> int:
-    """How many buffers of the compiled HLO hold a whole dequantized matrix: instructions
-    outside fusions (in the entry and loop computations: a fusion's output, or a bitcast of
-    one) whose result has one quantized matrix's shape in its compute dtype. A dequantize XLA
-    fuses into its dot produces no such buffer; each one found is a matrix materialised
-    before its product."""
-    leaves = jax.tree.leaves(model.params, is_leaf=quant.is_quantized)
-    shapes = {
-        f"{_HLO_TYPES[jnp.dtype(m.dtype).name]}{list(m.shape)}".replace(" ", "")
-        for m in leaves
-        if quant.is_quantized(m)
-    }
+    """How many buffers of the compiled HLO hold a whole dequantized matrix, or a device's
+    whole shard of one: instructions outside fusions (in the entry and loop computations: a
+    fusion's output, or a bitcast of one) whose result has one quantized matrix's shape, or
+    its shard's, in its compute dtype. A dequantize XLA fuses into its dot produces no such
+    buffer; each one found is a matrix materialised before its product."""
+    shapes = set()
+    for m in jax.tree.leaves(model.params, is_leaf=quant.is_quantized):
+        if not quant.is_quantized(m):
+            continue
+        first = jax.tree.leaves(m)[0]  # packed or values [O, cols]
+        sharding = getattr(first, "sharding", None)
+        local = sharding.shard_shape(first.shape) if sharding is not None else first.shape
+        local = (*local[:-1], local[-1] * m.shape[-1] // first.shape[-1])
+        for shape in (m.shape, local):
+            shapes.add(f"{_HLO_TYPES[jnp.dtype(m.dtype).name]}{list(shape)}".replace(" ", ""))
     fused = set(re.findall(r"calls=%?([\w.\-]+)", hlo_text))
     count, inside = 0, False
     for line in hlo_text.splitlines():

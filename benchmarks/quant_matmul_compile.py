@@ -1,9 +1,10 @@
-"""The int4 matmul kernels (ksana_jax/pallas_kernels/quant_matmul.py) compiled for GPUs and TPUs
-that are only described, at Llama-3-8B's matrix shapes, on a machine without either.
+"""The quantized products compiled for GPUs and TPUs that are only described, at Llama-3-8B's
+matrix shapes, on a machine without either: the int4 matmul kernels
+(ksana_jax/pallas_kernels/quant_matmul.py) and XLA's int8 products.
 
-For each target, matrix ([I -> O]: the MLP's up/gate and down projections, attention's
-query/output and key/value projections, the LM head) and row count (decode's 1 and 32
-rows, a 256-row prefill chunk) it compiles `matmul_gpu` / `matmul_tpu` with bfloat16 x
+For each target, format (`--formats`), matrix ([I -> O]: the MLP's up/gate and down
+projections, attention's query/output and key/value projections, the LM head) and row count
+(decode's 1 and 32 rows, a 256-row prefill chunk) it compiles the product with bfloat16 x
 and prints whether it compiled, and:
   - GPU (XLA:GPU with jaxlib's Triton, as gpu_aot_compile.py): the kernel's grid, shared
     memory per program, registers and spills (with a ptxas at hand), programs per SM;
@@ -29,7 +30,9 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin's check would fail here
 
 import argparse
+import dataclasses
 import functools
+import itertools
 import json
 import time
 import types
@@ -40,6 +43,7 @@ import jax.numpy as jnp
 from aot_engine_step import placed, unfused_weight_copies
 
 from ksana_jax import quant
+from ksana_jax.models import layers
 from ksana_jax.pallas_kernels import quant_matmul
 
 # Llama-3-8B's matrices, [inputs, outputs].
@@ -53,10 +57,44 @@ MATRICES = {
 ROWS = (1, 32, 256)
 
 
-def shapes(inputs: int, outputs: int, rows: int) -> list:
-    """x bf16[rows, I] and an int4 w [O, I] computing in bfloat16, as ShapeDtypeStructs."""
-    w = quant.abstract("int4", (outputs, inputs), "bfloat16")
+FORMATS = ("int4", "int8", "int8-dequantize", "q8_0")
+
+
+def shapes(inputs: int, outputs: int, rows: int, fmt: str = "int4") -> list:
+    """x bf16[rows, I] and a quantized w [O, I] computing in bfloat16, as ShapeDtypeStructs."""
+    w = quant.abstract("int4" if fmt == "int4" else "int8", (outputs, inputs), "bfloat16")
+    if fmt == "q8_0":
+        groups = jax.ShapeDtypeStruct((outputs, inputs // quant.GROUP_SIZE), jnp.float16)
+        w = dataclasses.replace(w, scales=groups)
     return [jax.ShapeDtypeStruct((rows, inputs), jnp.bfloat16), w]
+
+
+def xla_product(fmt: str, platform: str):
+    """The jitted int8 product of `fmt` as the engine traces it on `platform`."""
+
+    def dequantize_then_dot(x, w):
+        w = quant.dequantize(w)
+        return jax.lax.dot_general(
+            x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    fn = dequantize_then_dot if fmt == "int8-dequantize" else layers.linear
+
+    def traced(x, w):
+        default_backend = jax.default_backend
+        jax.default_backend = lambda: platform  # linear picks its path by the platform
+        try:
+            return fn(x, w)
+        finally:
+            jax.default_backend = default_backend
+
+    return jax.jit(traced)
+
+
+def product(fmt: str, platform: str):
+    if fmt == "int4":
+        return quant_matmul.matmul_gpu if platform == "gpu" else quant_matmul.matmul_tpu
+    return xla_product(fmt, platform)
 
 
 def weight_buffers(executable, w) -> dict:
@@ -69,13 +107,14 @@ def weight_buffers(executable, w) -> dict:
     }
 
 
-def gpu_record(gpu: str, args: list, ptxas) -> dict:
+def gpu_record(gpu: str, args: list, ptxas, fmt: str = "int4") -> dict:
     import gpu_aot_compile
 
-    record = gpu_aot_compile.kernel_record(gpu, quant_matmul.matmul_gpu, args, ptxas)
+    fn = product(fmt, "gpu")
+    record = gpu_aot_compile.kernel_record(gpu, fn, args, ptxas)
     if record["compiled"]:
         placed_args = placed(args, gpu_aot_compile.gpu_sharding(gpu))
-        executable = quant_matmul.matmul_gpu.lower(*placed_args).compile()
+        executable = fn.lower(*placed_args).compile()
         record.update(weight_buffers(executable, args[1]))
     return record
 
@@ -91,16 +130,19 @@ def compiles_under(args: list, vmem_limit_bytes: int) -> bool:
     return True
 
 
-def tpu_record(topology: str, args: list) -> dict:
+def tpu_record(topology: str, args: list, fmt: str = "int4") -> dict:
     from tpu_kernel_compile import one_chip
 
     placed_args = placed(args, one_chip(topology))
     start = time.perf_counter()
     try:
-        executable = quant_matmul.matmul_tpu.lower(*placed_args).compile()
+        executable = product(fmt, "tpu").lower(*placed_args).compile()
     except Exception as e:  # report every shape, then fail at the end
         return {"compiled": False, "error": str(e).splitlines()[0][:300]}
     record = dict(compiled=True, seconds=round(time.perf_counter() - start, 1))
+    if fmt != "int4":  # no kernel: XLA's own product
+        record.update(weight_buffers(executable, args[1]))
+        return record
     # The least scoped VMEM (whole MiB, up to 64) the kernel compiles under, by bisection.
     low, high = 0, 64
     while high - low > 1:
@@ -112,7 +154,10 @@ def tpu_record(topology: str, args: list) -> dict:
 
 
 def describe(record: dict) -> str:
-    row = f"{record['target']:8s} {record['matrix']:8s} {record['shape']:14s} {record['rows']:>4d} "
+    row = (
+        f"{record['target']:8s} {record['format']:15s} {record['matrix']:8s} "
+        f"{record['shape']:14s} {record['rows']:>4d} "
+    )
     if not record["compiled"]:
         return row + f"FAILED: {record['error']}"
     row += (
@@ -121,6 +166,9 @@ def describe(record: dict) -> str:
     )
     if "vmem_mib" in record:
         return row + f"least VMEM limit it compiles under: {record['vmem_mib']} MiB"
+    if record["format"] != "int4":
+        launches = f"{record['launches']} kernel launches" if "launches" in record else ""
+        return row + f"XLA's product {launches}"
     (kernel,) = record["kernels"]
     return row + (
         f"grid {kernel['grid']}, {kernel['warps']} warps, shared {kernel['shared_bytes'] // 1024}"
@@ -133,6 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", default="", help="e.g. l4,h200 (gpu_aot_compile.GPUS)")
     parser.add_argument("--topologies", default="", help="e.g. v5e:2x2")
+    parser.add_argument("--formats", default="int4", help=f"of {','.join(FORMATS)}")
     parser.add_argument("--matrices", default=",".join(MATRICES))
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--json", help="also write every record to this file")
@@ -147,23 +196,25 @@ def main() -> None:
 
         ptxas = gpu_aot_compile.find_ptxas()
     print(
-        f"{'target':8s} {'matrix':8s} {'I -> O':14s} {'rows':>4s} {'temp MB':>8s} "
+        f"{'target':8s} {'format':15s} {'matrix':8s} {'I -> O':14s} {'rows':>4s} {'temp MB':>8s} "
         f"{'deq. MB':>8s} {'deq. buffers':>5s}  kernel"
     )
     records, failures = [], 0
-    for platform, target in targets:
-        for name in args.matrices.split(","):
-            inputs, outputs = MATRICES[name]
-            for rows in map(int, args.rows.split(",")):
-                fn_args = shapes(inputs, outputs, rows)
-                if platform == "gpu":
-                    record = gpu_record(target, fn_args, ptxas)
-                else:
-                    record = tpu_record(target, fn_args)
-                record.update(target=target, matrix=name, shape=f"{inputs} -> {outputs}", rows=rows)
-                failures += not record["compiled"]
-                print(describe(record), flush=True)
-                records.append(record)
+    for (platform, target), fmt, name, rows in itertools.product(
+        targets, args.formats.split(","), args.matrices.split(","), map(int, args.rows.split(","))
+    ):
+        inputs, outputs = MATRICES[name]
+        fn_args = shapes(inputs, outputs, rows, fmt)
+        if platform == "gpu":
+            record = gpu_record(target, fn_args, ptxas, fmt)
+        else:
+            record = tpu_record(target, fn_args, fmt)
+        record.update(
+            target=target, format=fmt, matrix=name, shape=f"{inputs} -> {outputs}", rows=rows
+        )
+        failures += not record["compiled"]
+        print(describe(record), flush=True)
+        records.append(record)
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1, default=str))
     if failures:

@@ -77,6 +77,11 @@ class Int4Matrix:
     scales: Any  # f16[..., O, I/32]
     mins: Any  # f16[..., O, I/32]
     dtype: str = "float32"
+    # Static: the mesh axes packed, scales and mins [O, *] are split over, (out axes, in
+    # axes), set by sharding.ShardingPlan when it places the matrix; None when no plan did
+    # or when the packed bytes and the scales split differently. The Pallas kernels run on
+    # each device's shard with it (pallas_kernels/quant_matmul.py).
+    split: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
     format: ClassVar[str] = "int4"
     data_fields: ClassVar[tuple[str, ...]] = ("packed", "scales", "mins")
@@ -92,7 +97,9 @@ QuantizedMatrix: TypeAlias = Int8Matrix | Int4Matrix
 _CLASSES: dict[str, type] = {"int8": Int8Matrix, "int4": Int4Matrix}
 for _cls in _CLASSES.values():
     jax.tree_util.register_dataclass(
-        _cls, data_fields=list(_cls.data_fields), meta_fields=["dtype"]
+        _cls,
+        data_fields=list(_cls.data_fields),
+        meta_fields=[f.name for f in dataclasses.fields(_cls) if f.name not in _cls.data_fields],
     )
 
 
@@ -175,6 +182,21 @@ def dequantize(m: QuantizedMatrix, dtype: str | None = None) -> Any:
         q = unpack_int4(m.packed).astype(xp.float32)
         w = q * m.scales.astype(xp.float32)[..., None] + m.mins.astype(xp.float32)[..., None]
     return w.reshape(m.shape).astype(jnp.dtype(dtype))
+
+
+def scaled_product(x: jax.Array, m: Int8Matrix) -> jax.Array:
+    """x [..., I] . dequantize(m)^T -> f32[..., O] for int8 with one scale per output channel,
+    as (x . values^T) * scales: the scale applies to the product, not the weight, so the
+    int8 -> float convert is the dot's only operand op and XLA:GPU / XLA:TPU fuse it into
+    one GEMM (dequantize-then-dot materialises the scaled matrix first). Rounding differs
+    from dequantize-then-dot: the values are exact in any float dtype, the scale is applied
+    in float32 after the accumulation."""
+    assert m.scales.shape[-1] == 1, m.scales.shape
+    contract = (((x.ndim - 1,), (1,)), ((), ()))
+    y = jax.lax.dot_general(
+        x.astype(m.dtype), m.values.astype(m.dtype), contract, preferred_element_type=jnp.float32
+    )
+    return y * m.scales[:, 0].astype(jnp.float32)
 
 
 def after(m: QuantizedMatrix, x: jax.Array) -> QuantizedMatrix:

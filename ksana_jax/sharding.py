@@ -5,9 +5,10 @@ In: the tensor-parallel size (`EngineConfig.tensor_parallel_size`), the number o
 the sharding of each parameter (by its checkpoint name), of the KV array and of the step's
 inputs (replicated). The jitted step is plain GSPMD: its arguments carry these shardings and
 XLA partitions the computation, adding one all-reduce of f32[T, D] after each row-parallel
-matmul. Only the Pallas kernels, which XLA cannot partition, run under `shard_map`
-(`shard_over_heads`, used by pallas_kernels). One device is the 1 x 1 x 1 mesh of the same
-code.
+matmul. Only the Pallas kernels, which XLA cannot partition, run under `shard_map`: the
+attention ones by heads (`shard_over_heads`, used by pallas_kernels), the int4 matmuls by
+the split `with_splits` records on each int4 matrix (pallas_kernels/quant_matmul.py). One
+device is the 1 x 1 x 1 mesh of the same code.
 
 Mesh axes (tp = model x kv_replica devices hold one copy of the model between them):
 
@@ -64,6 +65,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ksana_jax import quant
 from ksana_jax.config import ModelConfig
 from ksana_jax.kv_cache import KVCache
 from ksana_jax.models import registry
@@ -163,8 +165,30 @@ class ShardingPlan:
         return jax.tree_util.tree_map_with_path(one, params)
 
     def shard_params(self, params: Any) -> Any:
-        """`params` placed in their shardings (a no-op for arrays already there)."""
+        """`params` placed in their shardings (a no-op for arrays already there), each int4
+        matrix marked with its split (`with_splits`)."""
+        params = self.with_splits(params)
         return jax.device_put(params, self.param_shardings(params))
+
+    def with_splits(self, params: Any) -> Any:
+        """`params` with each int4 matrix's `split` set to the mesh axes this plan splits its
+        out and in dims over (quant.Int4Matrix.split: the Pallas kernels run per device under
+        `shard_map` with it); None where the packed bytes and the scales split differently
+        (an input dim whose groups of 32 do not divide among the devices)."""
+
+        def one(path, leaf):
+            if not isinstance(leaf, quant.Int4Matrix):
+                return leaf
+            axes = self.param_axes[registry.flat_name(path)]
+            axes = axes[len(axes) - leaf.packed.ndim :]
+            packed, scales = (self.spec(axes, a.shape) for a in (leaf.packed, leaf.scales))
+            split = None
+            if packed == scales:
+                dims = (*packed, *[None] * (leaf.packed.ndim - len(packed)))[-2:]
+                split = tuple(() if d is None else (d,) if isinstance(d, str) else d for d in dims)
+            return dataclasses.replace(leaf, split=split)
+
+        return jax.tree_util.tree_map_with_path(one, params, is_leaf=quant.is_quantized)
 
     def put_replicated(self, tree: Any) -> Any:
         """Host arrays (step inputs) as arrays replicated over the mesh; works multi-process,

@@ -177,33 +177,56 @@ def test_engine_step_updates_the_kv_in_place(h200_records):
 
 def test_int4_llama3_8b_step_fits_an_l4_with_room_for_kv(tmp_path):
     """The whole decode step of a Llama-3-8B-shaped model with int4 weights (shapes only, no
-    checkpoint), compiled for an L4: params, KV, batch state, outputs not aliased and
-    temporaries leave most of its 24 GB for KV, and every int4 product runs in the Pallas
-    kernel (pallas_kernels/quant_matmul.py): no dequantized matrix is materialised, and the
-    temporaries stay far below one (the largest, the LM head)."""
+    checkpoint), compiled for one L4 and for two (tensor-parallel): params, KV, batch state,
+    outputs not aliased and temporaries leave most of its 24 GB for KV, and every int4
+    product runs in the Pallas kernel (pallas_kernels/quant_matmul.py; under tensor
+    parallelism per device on its shard, in shard_map): no dequantized matrix (nor a
+    device's shard of one) is materialised, the temporaries stay far below one (the
+    largest, the LM head), and the two L4s add only the collectives of the bfloat16 step:
+    no weight is gathered for a kernel."""
     only = ["--gpus", "l4", "--model", "smollm2", "--dtypes", "bfloat16", "--workloads", "decode"]
     records = run_tool(
-        tmp_path, *only, "--engine-step", "--engine-model", "llama3_8b", "--quantization", "int4"
+        tmp_path,
+        *only,
+        "--engine-step",
+        "--engine-model",
+        "llama3_8b",
+        "--quantization",
+        "int4",
+        "--engine-placements",
+        "1,2",
+        "--engine-backends",
+        "pallas_gpu",
     )
-    steps = [r for r in records if r["name"] == "engine_step"]
-    assert {s["backend"] for s in steps} == {"reference", "pallas_gpu"}
-    for step in steps:
+    steps = {r["model"].split()[-1]: r for r in records if r["name"] == "engine_step"}
+    assert set(steps) == {"tp1", "tp2"}
+    for step in steps.values():
         assert step["kv_copies"] == 0, step
         assert step["params_bytes"] < 5.5e9  # 8.0e9 weights at 0.625 bytes (+ norms)
         held = step["argument_bytes"] + step["output_bytes"] - step["alias_bytes"]
         held += step["temp_bytes"]
         assert 24e9 - held + step["kv_bytes"] > 12e9, step  # KV for ~90k tokens in bf16
         assert step["weight_copies"] == 0, step
-        # 72 MB with pallas_gpu, 140 MB with the reference attention (its K/V gathers).
+        # 72 MB on one L4, 73 MB on each of two.
         assert step["temp_bytes"] < 0.2 * step["largest_dequantized"], step
         # 7 matrices a layer and the LM head, at least.
         assert step["pallas_launches"]["int4_matmul_gpu"] >= 32 * 7 + 1, step
+    # tp2: the bfloat16 step's all-reduces (one f32[32, 4096] after each row-parallel
+    # product, 64, and sampling's small ones) and all-gathers (logits); XLA's
+    # dequantize-then-dot path adds 64 more, a kernel that gathered its weights one each.
+    collectives = steps["tp2"]["collectives"]
+    assert collectives["all-reduce"][0] <= 32 * 2 + 20, collectives
+    assert collectives["all-gather"][0] <= 6, collectives
+    assert steps["tp2"]["argument_bytes"] < 0.6 * steps["tp1"]["argument_bytes"]
 
 
-def test_int4_matmul_kernel_compiles_for_each_gpu_without_a_dequantized_weight(tmp_path):
-    """benchmarks/quant_matmul_compile.py: the int4 Pallas matmul alone at Llama-3-8B's MLP
-    matrices, decode and prefill rows, for an H200 and an L4: it compiles, spills nothing,
-    and the compiled function holds no buffer of the dequantized matrix's shape."""
+def test_quantized_products_compile_for_each_gpu_without_a_dequantized_weight(tmp_path):
+    """benchmarks/quant_matmul_compile.py: the int4 Pallas matmul alone, and int8 (one scale
+    per output channel) through `layers.linear` as a GPU traces it ((x . q^T) * s), at
+    Llama-3-8B's MLP matrices, decode and prefill rows, for an H200 and an L4: each compiles
+    and holds no buffer of the dequantized matrix's shape; the kernel spills nothing, and
+    XLA fuses int8's convert into one GEMM (dequantize-then-dot materialises the matrix:
+    117 MB at up/gate)."""
     out = tmp_path / "records.json"
     path = os.pathsep.join([str(PLUGIN_DIR), str(ROOT)])
     proc = subprocess.run(
@@ -214,6 +237,8 @@ def test_int4_matmul_kernel_compiles_for_each_gpu_without_a_dequantized_weight(t
             str(out),
             "--gpus",
             "h200,l4",
+            "--formats",
+            "int4,int8",
             "--matrices",
             "up/gate,down",
             "--rows",
@@ -227,10 +252,12 @@ def test_int4_matmul_kernel_compiles_for_each_gpu_without_a_dequantized_weight(t
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = json.loads(out.read_text())
-    assert len(records) == 8
+    assert sorted(r["format"] for r in records) == ["int4"] * 8 + ["int8"] * 8
     for record in records:
         assert record["compiled"] and record["dequantized_buffers"] == 0, record
-        # x split in halves, float32 partial products of the input-dim splits: 12 MB at most.
+        # int4: x split in halves, float32 partial products of the input-dim splits: 12 MB at
+        # most; int8: XLA's split-K partial products, 4 MB at 32 rows.
         assert record["temp_bytes"] < 0.2 * record["dequantized_bytes"], record
-        (kernel,) = record["kernels"]
-        assert kernel["name"] == "int4_matmul_gpu" and kernel.get("spill_bytes", 0) == 0, record
+        if record["format"] == "int4":
+            (kernel,) = record["kernels"]
+            assert kernel["name"] == "int4_matmul_gpu" and kernel.get("spill_bytes", 0) == 0

@@ -5,10 +5,17 @@ tests/test_gpu_aot.py's when the CUDA plugin is there)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import write_tiny_hf
 
 from ksana_jax import quant
 from ksana_jax.models import layers
@@ -95,10 +102,107 @@ def test_linear_dispatches_int4_to_the_kernel_on_gpu_and_tpu_only():
     assert not quant_matmul.supports("cpu", x, w)
     assert not quant_matmul.supports("tpu", x[:, :96], quant.quantize(np.ones((8, 96)), "int4"))
     assert not quant_matmul.supports("gpu", x, quant.quantize(np.ones((64, 256)), "int8"))
-    # Under tensor parallelism XLA's path (a Pallas call would gather the sharded matrix).
+    # Under tensor parallelism only a matrix that knows its split (else XLA's path: a Pallas
+    # call would gather the sharded matrix); the TPU kernel wants 256 inputs per device.
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("model",))):
         assert not quant_matmul.supports("gpu", x, w)
+        splits = ((("model",), ()), ((), ("model",)))
+        column, row = (dataclasses.replace(w, split=split) for split in splits)
+        assert quant_matmul.supports("gpu", x, column) and quant_matmul.supports("tpu", x, column)
+        assert quant_matmul.supports("gpu", x, row) and not quant_matmul.supports("tpu", x, row)
+        other_axis = dataclasses.replace(w, split=(("data",), ()))
+        assert not quant_matmul.supports("gpu", x, other_axis)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("model",))):
         assert quant_matmul.supports("gpu", x, w)
     # On this CPU, linear keeps its path (the C++ kernel or XLA) and agrees with the kernels.
     close(layers.linear(x, w), quant_matmul.matmul_gpu(x, w, interpret=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_scaled_product_equals_dequantize_then_dot(dtype):
+    """int8 with one scale per output channel as linear multiplies it on GPU and TPU,
+    (x . values^T) * scales, against the oracle with the exact (float32) dequantized
+    weight: the values are exact in bfloat16 and the scale is applied in float32, so it
+    matches at float32 tolerance in both dtypes."""
+    rng = np.random.default_rng(4)
+    w = quant.quantize(rng.standard_normal((70, 352)).astype(np.float32), "int8", dtype)
+    w = jax.tree.map(jnp.asarray, w)
+    x = jnp.asarray(rng.standard_normal((5, 352)), jnp.float32)
+    want = jnp.dot(
+        x.astype(dtype).astype(jnp.float32), quant.dequantize(w, "float32").T, precision="highest"
+    )
+    close(quant.scaled_product(x, w), want)
+
+
+TP_SCRIPT = """
+import json, sys
+import jax, numpy as np
+import ksana_jax
+from ksana_jax import quant
+from ksana_jax.pallas_kernels import quant_matmul
+
+def matrices(model):
+    leaves = jax.tree.leaves(model.params, is_leaf=quant.is_quantized)
+    return [m for m in leaves if isinstance(m, quant.Int4Matrix)]
+
+def product(x, w, platform):
+    return jax.jit(lambda x, w: quant_matmul.matmul(x, w, platform, interpret=True))(x, w)
+
+one = matrices(ksana_jax.load(sys.argv[1], quantization="int4"))
+rng = np.random.default_rng(0)
+result = []
+for tp in (2, 4):
+    model = ksana_jax.load(sys.argv[1], tensor_parallel_size=tp, quantization="int4")
+    for platform in ("gpu", "tpu"):
+        seen = set()  # one column-parallel, one row-parallel and one replicated matrix each
+        for w1, w in zip(one, matrices(model), strict=True):
+            x = rng.standard_normal((5, w.shape[1])).astype(np.float32)
+            kind = w.split and tuple(map(bool, w.split))
+            with model.plan.activate():
+                if kind in seen or not quant_matmul.supports(platform, x, w):
+                    continue
+                seen.add(kind)
+                got = np.asarray(product(x, w, platform))
+            want = np.asarray(product(x, w1, platform))
+            error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+            result.append([tp, platform, [list(a) for a in w.split], error])
+print(json.dumps(result))
+"""
+
+
+def test_kernels_under_tensor_parallelism_equal_one_device(tmp_path):
+    """tp=2 and 4 on forced CPU devices: every int4 matrix of a model placed by its plan
+    runs in both kernels (Pallas's interpreter) on each device's shard under shard_map --
+    column-parallel ones per output slice, row-parallel ones on their input slice with the
+    partial products summed, replicated ones whole -- and equals the one-device kernel."""
+    path = tmp_path / "hf"
+    # Every input dim a multiple of 256 per device at tp=2 (and the MLP's at tp=4) so the
+    # TPU kernel takes both splits too; heads split at both sizes; a vocabulary of 163
+    # divides by neither, so the embedding and LM head are replicated.
+    write_tiny_hf(
+        path,
+        vocab_size=163,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_hidden_layers=1,
+    )
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run(
+        [sys.executable, "-c", TP_SCRIPT, str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for tp, platform, split, error in result:
+        assert error < 2e-5, (tp, platform, split, error)
+    ran = {(tp, platform, bool(out), bool(inp)) for tp, platform, (out, inp), _ in result}
+    kinds = ((True, False), (False, True), (False, False))  # column, row, replicated
+    for tp in (2, 4):
+        for platform in ("gpu", "tpu"):
+            assert {(tp, platform, *kind) for kind in kinds} <= ran, ran

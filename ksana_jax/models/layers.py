@@ -31,8 +31,10 @@ def linear(
     streams w's bytes (quantized ones as they are) on every core; `linear_cpu.takes` decides
     at trace time. On TPU and GPU an int4 w goes through pallas_kernels/quant_matmul.py,
     which dequantizes tiles in VMEM / registers (XLA does not fuse int4's dequantize into
-    the dot there). Otherwise a quantized w (quant.py) is dequantized to its `dtype` inside
-    the step and multiplied as a float weight by XLA (the reference path).
+    the dot there), per device on its shard under tensor parallelism; an int8 w with one
+    scale per output channel is multiplied as (x . values^T) * scales, which XLA fuses into
+    one GEMM (quant.scaled_product). Otherwise a quantized w (quant.py) is dequantized to
+    its `dtype` inside the step and multiplied as a float weight by XLA (the reference path).
 
     Weights are [out, in] (torch's layout): XLA:CPU's bfloat16 products (YNNPACK) stream
     them faster than [in, out] at decode's few rows -- SmolLM2 batch-1 decode 50.5 -> 40.1
@@ -43,6 +45,10 @@ def linear(
         return y if b is None else y + b.astype(jnp.float32)
     if quant_matmul.supports(platform := jax.default_backend(), x, w):
         y = quant_matmul.matmul(x, w, platform)
+        return y if b is None else y + b.astype(jnp.float32)
+    per_channel = isinstance(w, quant.Int8Matrix) and w.group_size == w.shape[-1]
+    if per_channel and platform in ("gpu", "tpu"):
+        y = quant.scaled_product(x, w)  # one GEMM reading the int8 bytes
         return y if b is None else y + b.astype(jnp.float32)
     if x.ndim == 2 and x.shape[0] == 1 and w.dtype != jnp.float32:
         # One row takes XLA:CPU's matrix-vector path, 2x slower than two rows for bfloat16

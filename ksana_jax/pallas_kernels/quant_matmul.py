@@ -31,6 +31,12 @@ address), and accumulates in float32. With few output tiles (decode's one row ti
 products are summed after the kernel, so every SM streams weights. Float32 x multiplies
 with 3xTF32 (float32 accuracy).
 
+Under tensor parallelism (`matmul` in a mesh of several devices) each device runs the
+kernel on its own shard of w under shard_map, as the sharding plan placed it
+(`Int4Matrix.split`, see `sharded`): column-parallel matrices give each device its output
+columns, row-parallel ones (input dim split along whole groups) sum the devices' partial
+products with one all-reduce.
+
 Both are checked against `quant.dequantize` then a dot in tests/test_quant_matmul.py (in
 Pallas's interpreter on CPU) and compiled for an L4 / H200 and a v5e without the hardware by
 benchmarks/quant_matmul_compile.py.
@@ -38,7 +44,9 @@ benchmarks/quant_matmul_compile.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
 
 from ksana_jax.quant import GROUP_SIZE, Int4Matrix
 
@@ -63,26 +72,62 @@ def split_x(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def supports(platform: str, x: jax.Array, w: object) -> bool:
-    """Whether `linear` takes this product to a kernel: an int4 matrix [O, I] on TPU (I a
-    multiple of 256: whole lane tiles of packed bytes) or GPU, outside a mesh of several
-    devices (XLA cannot partition a Pallas call: under tensor parallelism a sharded matrix
-    would be gathered whole for it, so those products keep XLA's path)."""
+    """Whether `linear` takes this product to a kernel: an int4 matrix [O, I] on TPU (each
+    device's input dim a multiple of 256: whole lane tiles of packed bytes) or GPU. Under a
+    mesh of several devices the matrix must carry its split (quant.Int4Matrix.split, set
+    when a ShardingPlan placed it): XLA cannot partition a Pallas call, so the kernel runs
+    on each device's shard under shard_map; a matrix without one keeps XLA's path (its
+    shards would be gathered whole for the kernel)."""
     if not isinstance(w, Int4Matrix) or w.packed.ndim != 2 or x.shape[-1] != w.shape[1]:
         return False
     mesh = jax.sharding.get_abstract_mesh()
+    inputs = w.shape[1]
     if not (mesh.empty or mesh.size == 1):
-        return False
+        if w.split is None or not set(sum(w.split, ())) <= set(mesh.axis_names):
+            return False
+        inputs //= _devices(mesh, w.split[1])
     if platform == "tpu":
-        return w.shape[1] % (2 * 128) == 0
+        return inputs % (2 * 128) == 0
     return platform == "gpu"
 
 
-def matmul(x: jax.Array, w: Int4Matrix, platform: str) -> jax.Array:
-    """x [..., I] . dequantize(w)^T -> f32[..., O] with the kernel for `platform`."""
+def matmul(x: jax.Array, w: Int4Matrix, platform: str, *, interpret: bool = False) -> jax.Array:
+    """x [..., I] . dequantize(w)^T -> f32[..., O] with the kernel for `platform`; under a
+    mesh of several devices, per device on w's shards (`sharded`)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(w.dtype)
-    fn = matmul_tpu if platform == "tpu" else matmul_gpu
+    fn = functools.partial(matmul_tpu if platform == "tpu" else matmul_gpu, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not (mesh.empty or mesh.size == 1) and w.split is not None:
+        fn = sharded(fn, mesh, w)
     return fn(x2, w).reshape(*lead, w.shape[0])
+
+
+def _devices(mesh: jax.sharding.AbstractMesh, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def sharded(fn, mesh: jax.sharding.AbstractMesh, w: Int4Matrix):
+    """`fn` (x [M, I], w) -> f32[M, O] run on each device's shard of w, as the plan placed it
+    (w.split): a column-parallel matrix (O split) gives each device its slice of y's
+    columns from the whole x; a row-parallel one (I split along whole groups of 32) takes
+    the matching slice of x's columns, and the devices' partial products are summed (one
+    all-reduce of f32[M, O], what XLA adds after the same float matmul); a replicated one
+    (a dim its devices do not divide) runs whole on every device."""
+    out_axes, in_axes = (axes or None for axes in w.split)
+    spec = P(out_axes, in_axes)  # packed [O, I/2], scales and mins [O, I/32] alike
+
+    def local(x, w):
+        y = fn(x, w)
+        return y if in_axes is None else lax.psum(y, in_axes)
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(None, in_axes), dataclasses.replace(w, packed=spec, scales=spec, mins=spec)),
+        out_specs=P(None, out_axes),
+        check_vma=False,
+    )
 
 
 # --------------------------------------------------------------------------- TPU (Mosaic)
