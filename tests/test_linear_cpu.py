@@ -115,7 +115,7 @@ def test_one_call_for_several_weights_equals_the_reference_for_each(fmt):
                 x = jnp.asarray(rng.standard_normal((rows, inp)), jnp.float32)
                 got = kernel(x, *weights)
                 assert len(got) == len(weights)
-                for y, w in zip(got, weights):
+                for y, w in zip(got, weights, strict=True):
                     want = reference(x, w)
                     assert y.shape == (rows, w.shape[0])
                     scale = float(jnp.max(jnp.abs(want))) + 1
@@ -133,7 +133,7 @@ def test_layers_linears_is_one_call_for_one_kind_only():
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
         hlo = jax.jit(layers.linears).lower(x, *weights).as_text()
         assert hlo.count(f"@{linear_cpu.TARGET}(") == calls, (rows, calls)
-        for y, w in zip(jax.jit(layers.linears)(x, *weights), weights):
+        for y, w in zip(jax.jit(layers.linears)(x, *weights), weights, strict=True):
             np.testing.assert_allclose(y, jax.jit(layers.linear)(x, w), atol=1e-5)
     with pytest.raises(ValueError, match="one kind"):
         linear_cpu.linears(jnp.zeros((1, 64)), *mixed)

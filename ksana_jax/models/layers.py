@@ -57,9 +57,7 @@ def linear(
     return y if b is None else y + b.astype(jnp.float32)
 
 
-def linears(
-    x: jax.Array, *weights: jax.Array | quant.QuantizedMatrix
-) -> tuple[jax.Array, ...]:
+def linears(x: jax.Array, *weights: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, ...]:
     """x f32[T, I] times several weights w_i [O_i, I] that share it (q/k/v, gate/up) ->
     (f32[T, O_i], ...), each as `linear(x, w_i)` gives it.
 

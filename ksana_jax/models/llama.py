@@ -272,9 +272,10 @@ def attention_block(
     `norm_offset` is the q/k norms' (1.0 for Gemma's (1 + w) norms)."""
     num_tokens = x.shape[0]
     n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    projected = linears(x, layer["wq"], layer["wk"], layer["wv"])
     q, k_new, v_new = (
         y if layer.get(b) is None else y + layer[b].astype(jnp.float32)
-        for y, b in zip(linears(x, layer["wq"], layer["wk"], layer["wv"]), ("bq", "bk", "bv"))
+        for y, b in zip(projected, ("bq", "bk", "bv"), strict=True)
     )
     q = q.reshape(num_tokens, n, h)
     k_new, v_new = k_new.reshape(num_tokens, k, h), v_new.reshape(num_tokens, k, h)

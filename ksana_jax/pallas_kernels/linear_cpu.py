@@ -121,9 +121,7 @@ def takes_together(x: jax.Array, weights: Sequence[jax.Array | quant.QuantizedMa
     return all(takes(x, w) for w in weights) and len({kind(w) for w in weights}) == 1
 
 
-def linears(
-    x: jax.Array, *weights: jax.Array | quant.QuantizedMatrix
-) -> tuple[jax.Array, ...]:
+def linears(x: jax.Array, *weights: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, ...]:
     """x [R, I] times each weight w_i [O_i, I] transposed -> (f32[R, O_i], ...), as one kernel
     call: `linear` for every weight, streamed together (the weights must be of one `kind`).
     Raises ValueError for a weight the kernel does not take (`supports`) or mixed kinds."""
