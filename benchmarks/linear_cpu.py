@@ -18,7 +18,9 @@ measures the neighbours). Read ratios, not absolute numbers, and repeat.
 times one SmolLM2 decode step's products (1 row) with one kernel call per weight against one
 call per shared input (`linear_cpu.linears`: q/k/v, gate/up; 151 calls instead of 211),
 each with the calls' threading threshold PARALLEL_BYTES at its default, 1 MiB and 0 (always
-the pool); the variants run interleaved, each one's best counts.
+the pool), and "input-act": one call per input with gate + up in place of silu(gate) * up
+(what a kernel writing the gated activation itself could save, at most); the variants run
+interleaved, each one's best counts.
 """
 
 from __future__ import annotations
@@ -120,10 +122,11 @@ def step_table(rng, dtype: str, rows_list, repeats: int, bandwidth: float) -> No
         )
 
 
-def decode_products(fused: bool):
+def decode_products(fused: bool, activation: bool = True):
     """One decode step's products as the model runs them: per layer q/k/v, o, gate/up, the
     activation, down, the residual; then the LM head. `fused`: layers.linears's one call per
-    shared input, else one call per weight."""
+    shared input, else one call per weight. Without `activation` down takes gate + up (one
+    elementwise op fewer: the most a kernel writing silu(gate) * up itself could save)."""
 
     def several(x, *weights):
         return (
@@ -136,7 +139,8 @@ def decode_products(fused: bool):
             q, k, v = several(x, wq, wk, wv)
             x = x + linear_cpu.linear(q + jnp.tile(k + v, (1, 3)), wo)
             gate, up = several(x, w_gate, w_up)
-            x = x + linear_cpu.linear(jax.nn.silu(gate) * up, w_down)
+            hidden = jax.nn.silu(gate) * up if activation else gate + up
+            x = x + linear_cpu.linear(hidden, w_down)
         return linear_cpu.linear(x, head)
 
     return run
@@ -163,6 +167,7 @@ def fused_table(rng, dtypes, repeats: int, bandwidth: float) -> None:
                 jax.block_until_ready(fn(x, layers, head))
                 variants[("one/input" if fused else "one/weight", name)] = fn
         linear_cpu.PARALLEL_BYTES = default
+        variants[("input-act", f"{default >> 20}MiB")] = decode_products(True, activation=False)
         best = dict.fromkeys(variants, float("inf"))
         for _ in range(repeats):  # interleaved: a busy spell hits every variant
             for key, fn in variants.items():
