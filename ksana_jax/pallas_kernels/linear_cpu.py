@@ -45,7 +45,7 @@ _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 # alone: on this repo's loaded 2-core machine XLA's pool threads started 0.1-10 ms after
 # being scheduled, later than a decode layer's products (10-100 us) had finished, and
 # competed with the next ones (SmolLM2 bfloat16 decode products: 15.8 ms a step on one
-# thread, 20.7 ms with the pool). benchmarks/linear_cpu.py --threads re-measures it.
+# thread, 20.7 ms with the pool). benchmarks/linear_cpu.py --fused re-measures it.
 PARALLEL_BYTES = 4 << 20
 # KSANA_JAX_CPU_LINEAR=0 keeps XLA's dot everywhere (a before/after comparison in one run).
 ENABLED = os.environ.get("KSANA_JAX_CPU_LINEAR", "1") != "0"
