@@ -110,7 +110,7 @@ def test_one_call_for_several_weights_equals_the_reference_for_each(fmt):
     for parallel_bytes in (linear_cpu.PARALLEL_BYTES, 0):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(linear_cpu, "PARALLEL_BYTES", parallel_bytes)
-            kernel = jax.jit(linear_cpu.linears)
+            kernel = jax.jit(lambda x, *ws: linear_cpu.linears(x, *ws))  # traced anew
             for rows in (1, 2, 3, 5, 8):
                 x = jnp.asarray(rng.standard_normal((rows, inp)), jnp.float32)
                 got = kernel(x, *weights)
@@ -124,8 +124,8 @@ def test_one_call_for_several_weights_equals_the_reference_for_each(fmt):
 
 def test_layers_linears_is_one_call_for_one_kind_only():
     """`layers.linears` lowers to ONE custom call for weights of one kind at few rows, to one
-    per weight for mixed kinds (bfloat16 beside int8), and to none past MAX_ROWS; every
-    result equals `layers.linear`'s."""
+    per weight for mixed kinds (bfloat16 beside int8), and to none past MAX_ROWS or with
+    KSANA_JAX_CPU_LINEAR=0 (`ENABLED`); every result equals `layers.linear`'s."""
     rng = np.random.default_rng(4)
     same = [weight(rng, "bfloat16", out, 64) for out in (64, 16, 16)]
     mixed = [weight(rng, "bfloat16", 64, 64), weight(rng, "int8_bf16", 16, 64)]
@@ -135,5 +135,9 @@ def test_layers_linears_is_one_call_for_one_kind_only():
         assert hlo.count(f"@{linear_cpu.TARGET}(") == calls, (rows, calls)
         for y, w in zip(jax.jit(layers.linears)(x, *weights), weights, strict=True):
             np.testing.assert_allclose(y, jax.jit(layers.linear)(x, w), atol=1e-5)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(linear_cpu, "ENABLED", False)
+        hlo = jax.jit(lambda x, *ws: layers.linears(x, *ws)).lower(x, *same).as_text()
+        assert f"@{linear_cpu.TARGET}(" not in hlo
     with pytest.raises(ValueError, match="one kind"):
         linear_cpu.linears(jnp.zeros((1, 64)), *mixed)
