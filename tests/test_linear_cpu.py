@@ -99,13 +99,15 @@ def test_layers_linear_takes_the_kernel_at_few_rows_only():
             np.testing.assert_allclose(got, reference(x, w) + bias, atol=2e-5 * np.sqrt(96))
 
 
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8_bf16", "int8_q8_0", "int4_bf16"])
+@pytest.mark.parametrize(
+    "fmt", ["float32", "bfloat16", "int8", "int8_bf16", "int8_q8_0", "int4", "int4_bf16"]
+)
 def test_one_call_for_several_weights_equals_the_reference_for_each(fmt):
     """`linear_cpu.linears`: x times weights of different output sizes (tails of the 4-row
     block; q/k/v's and gate/up's shapes) in one call gives each weight's reference product,
     serial and with the pool's threads (PARALLEL_BYTES 0)."""
     rng = np.random.default_rng(3)
-    inp = 96 if fmt in ("int8_q8_0", "int4_bf16") else 100
+    inp = 96 if fmt in ("int8_q8_0", "int4", "int4_bf16") else 100
     weights = [weight(rng, fmt, out, inp) for out in (33, 7, 7, 130)]
     for parallel_bytes in (linear_cpu.PARALLEL_BYTES, 0):
         with pytest.MonkeyPatch.context() as patch:
