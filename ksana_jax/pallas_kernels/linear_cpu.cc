@@ -578,6 +578,21 @@ ffi::Error weight_problem(const ffi::AnyBuffer& w, const ffi::AnyBuffer& scales,
   return ffi::Error::Success();
 }
 
+// The prepared problem `x_ready` (x as the tiles read it, whatever fields that takes) with
+// the weight and result of `weight`: the fields weight_problem and Linears set per weight.
+Problem with_weight(const Problem& x_ready, const Problem& weight) {
+  Problem pb = x_ready;
+  pb.out = weight.out;
+  pb.weight_bytes = weight.weight_bytes;
+  pb.w = weight.w;
+  pb.scales = weight.scales, pb.mins = weight.mins;
+  pb.scales_f16 = weight.scales_f16, pb.mins_f16 = weight.mins_f16;
+  pb.groups = weight.groups;
+  pb.vector_group = weight.vector_group;
+  pb.y = weight.y;
+  return pb;
+}
+
 // y_i f32[R, O_i] = x . W_i^T for every weight W_i of the call, streamed as one product.
 ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
                    ffi::RemainingRets ys, bool bf16, int64_t parallel_bytes) {
@@ -644,10 +659,7 @@ ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
       }
     pb.x = padded.data();
   }
-  for (Problem& other : problems) {
-    other.x = pb.x, other.x_stride = pb.x_stride;
-    other.x_bf16 = pb.x_bf16, other.x_bf16_stride = pb.x_bf16_stride;
-  }
+  for (size_t i = 1; i < problems.size(); ++i) problems[i] = with_weight(pb, problems[i]);
   run_items(pool, problems, parallel_bytes);
   return ffi::Error::Success();
 }
