@@ -8,12 +8,11 @@
 // few rows a product is bound by the weight bytes; XLA:CPU streams them well below the
 // machine's bandwidth (a library call per product, one thread for a small one).
 //
-// Work items: disjoint ranges of weight rows (output features) of the call's weights (one
-// XLA thunk for the projections that share x: q/k/v, gate/up), spread over XLA's intra-op
-// thread pool when the weights are large (attribute parallel_bytes), so every core streams
-// its own part of them, each weight byte read once. An item walks its rows kOutBlock at a
-// time. The direct paths -- bfloat16 (vdpbf16ps), float32 (FMA), and int8 / int4 at up to
-// kRowTile rows -- multiply the block's rows straight from memory (dequantized in registers), prefetching
+// Work items: disjoint ranges of weight rows (output features), spread over XLA's intra-op
+// thread pool for a large W (kParallelBytes), so every core streams its own part of W, each
+// weight byte read once. An item walks its rows kOutBlock at a time. The direct paths --
+// bfloat16 (vdpbf16ps), float32 (FMA), and int8 / int4 at up to kRowTile rows -- multiply
+// the block's rows straight from memory (dequantized in registers), prefetching
 // kPrefetchRows ahead. Otherwise (int8 / int4 at more rows, or no AVX512-BF16) each block
 // goes kChunk columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
@@ -21,6 +20,9 @@
 //   phase 2  for every kRowTile of x's rows (read from L1 / L2), a register tile of
 //            kRowTile x kOutBlock float32 vector accumulators, summed across lanes at the
 //            end of the chunk.
+// Several weights that share x (q/k/v, gate/up) go in one call, one XLA thunk: their rows
+// form one list of work items, and "a large W" (kParallelBytes) is their bytes together
+// reaching the call's attribute parallel_bytes (linear_cpu.PARALLEL_BYTES).
 
 #include <algorithm>
 #include <atomic>
