@@ -12,6 +12,15 @@ measures the neighbours). Read ratios, not absolute numbers, and repeat.
         [--shapes 576x576,1536x576,576x1536,4608x576,49152x576,smollm2] [--repeats 7]
 
 `smollm2` is one decode step's products in sequence (211 weights, the LM head last).
+
+    python benchmarks/linear_cpu.py --fused [--dtypes bfloat16,int8,int4] [--repeats 7]
+
+times one SmolLM2 decode step's products (1 row) with one kernel call per weight against one
+call per shared input (`linear_cpu.linears`: q/k/v, gate/up; 151 calls instead of 211),
+each with the calls' threading threshold PARALLEL_BYTES at its default, 1 MiB and 0 (always
+the pool), and "input-act": one call per input with gate + up in place of silu(gate) * up
+(what a kernel writing the gated activation itself could save, at most); the variants run
+interleaved, each one's best counts.
 """
 
 from __future__ import annotations
@@ -113,6 +122,66 @@ def step_table(rng, dtype: str, rows_list, repeats: int, bandwidth: float) -> No
         )
 
 
+def decode_products(fused: bool, activation: bool = True):
+    """One decode step's products as the model runs them: per layer q/k/v, o, gate/up, the
+    activation, down, the residual; then the LM head. `fused`: layers.linears's one call per
+    shared input, else one call per weight. Without `activation` down takes gate + up (one
+    elementwise op fewer: the most a kernel writing silu(gate) * up itself could save)."""
+
+    def several(x, *weights):
+        return (
+            linear_cpu.linears(x, *weights) if fused else [linear_cpu.linear(x, w) for w in weights]
+        )
+
+    @jax.jit
+    def run(x, layers, head):
+        for wq, wk, wv, wo, w_gate, w_up, w_down in layers:
+            q, k, v = several(x, wq, wk, wv)
+            x = x + linear_cpu.linear(q + jnp.tile(k + v, (1, 3)), wo)
+            gate, up = several(x, w_gate, w_up)
+            hidden = jax.nn.silu(gate) * up if activation else gate + up
+            x = x + linear_cpu.linear(hidden, w_down)
+        return linear_cpu.linear(x, head)
+
+    return run
+
+
+def fused_table(rng, dtypes, repeats: int, bandwidth: float) -> None:
+    """Per-weight calls vs one call per shared input, by threading threshold (1 row)."""
+    default = linear_cpu.PARALLEL_BYTES
+    thresholds = {f"{default >> 20}MiB": default, "1MiB": 1 << 20, "0": 0}
+    print(f"{'dtype':>8} {'calls':>10} {'parallel':>9} {'step us':>9} {'GB/s':>6} {'% bw':>5}")
+    for dtype in dtypes:
+        layers = tuple(
+            tuple(make_weight(rng, dtype, o, i) for o, i in SMOLLM2_STEP[:7]) for _ in range(30)
+        )
+        head = make_weight(rng, dtype, *SMOLLM2_STEP[-1])
+        nbytes = sum(quant.nbytes(w) for w in jax.tree.leaves(layers, is_leaf=quant.is_quantized))
+        nbytes += quant.nbytes(head)
+        x = jnp.asarray(rng.standard_normal((1, 576)), jnp.float32)
+        variants = {}
+        for name, threshold in thresholds.items():
+            linear_cpu.PARALLEL_BYTES = threshold  # read at trace time
+            for fused in (False, True):
+                fn = decode_products(fused)
+                jax.block_until_ready(fn(x, layers, head))
+                variants[("one/input" if fused else "one/weight", name)] = fn
+        linear_cpu.PARALLEL_BYTES = default
+        variants[("input-act", f"{default >> 20}MiB")] = decode_products(True, activation=False)
+        best = dict.fromkeys(variants, float("inf"))
+        for _ in range(repeats):  # interleaved: a busy spell hits every variant
+            for key, fn in variants.items():
+                start = time.perf_counter()
+                jax.block_until_ready(fn(x, layers, head))
+                best[key] = min(best[key], time.perf_counter() - start)
+        for (calls, name), t in best.items():
+            print(
+                f"{dtype:>8} {calls:>10} {name:>9} {t * 1e6:>9.0f} {nbytes / t / 1e9:>6.1f} "
+                f"{100 * nbytes / t / bandwidth:>4.0f}%",
+                flush=True,
+            )
+
+
 def time_chain(fn, x, weights, repeats: int) -> float:
     jax.block_until_ready(fn(x, weights))
     times = []
@@ -129,11 +198,16 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--shapes", default="576x576,1536x576,576x1536,4608x576,49152x576,smollm2")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--fused", action="store_true", help="the fused-calls table only")
     args = p.parse_args()
     if not linear_cpu.available():
         raise SystemExit("the cpu linear kernel does not build here (no C++ compiler?)")
     bandwidth = all_core_read_bandwidth()
     print(f"all-core read bandwidth: {bandwidth / 1e9:.1f} GB/s ({os.cpu_count()} threads)")
+    if args.fused:
+        dtypes = args.dtypes.replace(",float32", "").split(",")
+        fused_table(np.random.default_rng(0), dtypes, args.repeats, bandwidth)
+        return
     print(
         f"{'dtype':>8} {'O x I':>11} {'R':>3} {'kernel us':>10} {'GB/s':>6} {'% bw':>5} "
         f"{'xla us':>9} {'xla/kernel':>10}"

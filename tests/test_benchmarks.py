@@ -205,6 +205,14 @@ def test_linear_cpu_pieces_run():
         xla = bench.chain(bench.xla_linear)(x, weights)
         np.testing.assert_allclose(kernel, xla, rtol=1e-4, atol=1e-3)
         assert bench.time_chain(bench.chain(bench.linear_cpu.linear), x, weights, 1) > 0
+        # --fused: a decode step's products, one call per weight or per shared input
+        shapes = ((96, 32), (32, 32), (32, 32), (32, 96), (64, 32), (64, 32), (32, 64))
+        layers = (tuple(bench.make_weight(rng, dtype, o, i) for o, i in shapes),) * 2
+        head = bench.make_weight(rng, dtype, 20, 32)
+        x = jnp.asarray(rng.standard_normal((1, 32)), jnp.float32) / 10
+        per_weight = bench.decode_products(False)(x, layers, head)
+        per_input = bench.decode_products(True)(x, layers, head)
+        np.testing.assert_allclose(per_input, per_weight, rtol=1e-5, atol=1e-5)
 
 
 def test_quant_pieces_run_on_the_engine(tmp_path, capsys):

@@ -97,3 +97,49 @@ def test_layers_linear_takes_the_kernel_at_few_rows_only():
             assert (linear_cpu.TARGET in hlo) == (rows <= linear_cpu.MAX_ROWS[fmt]), (fmt, rows)
             got = jax.jit(layers.linear)(x, w, bias)
             np.testing.assert_allclose(got, reference(x, w) + bias, atol=2e-5 * np.sqrt(96))
+
+
+@pytest.mark.parametrize(
+    "fmt", ["float32", "bfloat16", "int8", "int8_bf16", "int8_q8_0", "int4", "int4_bf16"]
+)
+def test_one_call_for_several_weights_equals_the_reference_for_each(fmt):
+    """`linear_cpu.linears`: x times weights of different output sizes (tails of the 4-row
+    block; q/k/v's and gate/up's shapes) in one call gives each weight's reference product,
+    serial and with the pool's threads (PARALLEL_BYTES 0)."""
+    rng = np.random.default_rng(3)
+    inp = 96 if fmt in ("int8_q8_0", "int4", "int4_bf16") else 100
+    weights = [weight(rng, fmt, out, inp) for out in (33, 7, 7, 130)]
+    for parallel_bytes in (linear_cpu.PARALLEL_BYTES, 0):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(linear_cpu, "PARALLEL_BYTES", parallel_bytes)
+            kernel = jax.jit(lambda x, *ws: linear_cpu.linears(x, *ws))  # traced anew
+            for rows in (1, 2, 3, 5, 8):
+                x = jnp.asarray(rng.standard_normal((rows, inp)), jnp.float32)
+                got = kernel(x, *weights)
+                assert len(got) == len(weights)
+                for y, w in zip(got, weights, strict=True):
+                    want = reference(x, w)
+                    assert y.shape == (rows, w.shape[0])
+                    scale = float(jnp.max(jnp.abs(want))) + 1
+                    np.testing.assert_allclose(y, want, atol=2e-6 * scale * np.sqrt(inp), rtol=0)
+
+
+def test_layers_linears_is_one_call_for_one_kind_only():
+    """`layers.linears` lowers to ONE custom call for weights of one kind at few rows, to one
+    per weight for mixed kinds (bfloat16 beside int8), and to none past MAX_ROWS or with
+    KSANA_JAX_CPU_LINEAR=0 (`ENABLED`); every result equals `layers.linear`'s."""
+    rng = np.random.default_rng(4)
+    same = [weight(rng, "bfloat16", out, 64) for out in (64, 16, 16)]
+    mixed = [weight(rng, "bfloat16", 64, 64), weight(rng, "int8_bf16", 16, 64)]
+    for weights, rows, calls in ((same, 1, 1), (same, 9, 0), (mixed, 1, 2)):
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        hlo = jax.jit(layers.linears).lower(x, *weights).as_text()
+        assert hlo.count(f"@{linear_cpu.TARGET}(") == calls, (rows, calls)
+        for y, w in zip(jax.jit(layers.linears)(x, *weights), weights, strict=True):
+            np.testing.assert_allclose(y, jax.jit(layers.linear)(x, w), atol=1e-5)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(linear_cpu, "ENABLED", False)
+        hlo = jax.jit(lambda x, *ws: layers.linears(x, *ws)).lower(x, *same).as_text()
+        assert f"@{linear_cpu.TARGET}(" not in hlo
+    with pytest.raises(ValueError, match="one kind"):
+        linear_cpu.linears(jnp.zeros((1, 64)), *mixed)

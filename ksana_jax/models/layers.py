@@ -63,6 +63,20 @@ def linear(
     return y if b is None else y + b.astype(jnp.float32)
 
 
+def linears(x: jax.Array, *weights: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, ...]:
+    """x f32[T, I] times several weights w_i [O_i, I] that share it (q/k/v, gate/up) ->
+    (f32[T, O_i], ...), each as `linear(x, w_i)` gives it.
+
+    On CPU at decode's few rows, weights of one kind (format and product dtype) go through
+    linear_cpu.py as ONE kernel call that streams all of them (one XLA thunk, its work
+    spread over their rows together); `linear_cpu.takes_together` decides at trace time.
+    Otherwise (mixed kinds included) each weight is its own `linear`.
+    """
+    if linear_cpu.takes_together(x, weights):
+        return linear_cpu.linears(x, *weights)
+    return tuple(linear(x, w) for w in weights)
+
+
 def embed_rows(table: jax.Array | quant.QuantizedMatrix, token_ids: jax.Array) -> jax.Array:
     """Rows `token_ids` i32[T] of the embedding table [V, D] -> [T, D] in the table's dtype;
     a quantized table gathers the packed rows first, then dequantizes only those."""
@@ -129,9 +143,9 @@ def gated_mlp(
 ) -> jax.Array:
     """down(act(gate(x)) * up(x)): x f32[T, D] -> f32[T, D]; act "silu" (SwiGLU) or
     "gelu_pytorch_tanh" (GeGLU with the tanh approximation, Gemma)."""
-    gate = linear(x, w_gate)
+    gate, up = linears(x, w_gate, w_up)
     gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return linear(gate * linear(x, w_up), w_down)
+    return linear(gate * up, w_down)
 
 
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:

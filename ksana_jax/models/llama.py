@@ -43,6 +43,7 @@ from ksana_jax.models.layers import (
     apply_rope,
     embed_rows,
     linear,
+    linears,
     paged_attention,
     rms_norm,
     rope_inv_freq,
@@ -271,9 +272,13 @@ def attention_block(
     `norm_offset` is the q/k norms' (1.0 for Gemma's (1 + w) norms)."""
     num_tokens = x.shape[0]
     n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = linear(x, layer["wq"], layer.get("bq")).reshape(num_tokens, n, h)
-    k_new = linear(x, layer["wk"], layer.get("bk")).reshape(num_tokens, k, h)
-    v_new = linear(x, layer["wv"], layer.get("bv")).reshape(num_tokens, k, h)
+    projected = linears(x, layer["wq"], layer["wk"], layer["wv"])
+    q, k_new, v_new = (
+        y if layer.get(b) is None else y + layer[b].astype(jnp.float32)
+        for y, b in zip(projected, ("bq", "bk", "bv"), strict=True)
+    )
+    q = q.reshape(num_tokens, n, h)
+    k_new, v_new = k_new.reshape(num_tokens, k, h), v_new.reshape(num_tokens, k, h)
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, norm_offset)
         k_new = rms_norm(k_new, layer["k_norm"], cfg.rms_norm_eps, norm_offset)

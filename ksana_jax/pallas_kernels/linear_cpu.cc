@@ -1,5 +1,5 @@
 // Small-batch linear layers for CPUs, an XLA FFI custom call:
-//     y f32[R, O] = x f32[R, I] . W[O, I]^T
+//     y_i f32[R, O_i] = x f32[R, I] . W_i[O_i, I]^T   for one or several weights W_i
 // for W in float32, bfloat16, int8 (w = values * scales, one scale per output row or per
 // group of I / G columns) or int4 (w = q * scale + min per group of 32, GGUF Q4_1 packing:
 // byte j of a group holds element j in its low nibble and element j + 16 in its high one).
@@ -20,6 +20,9 @@
 //   phase 2  for every kRowTile of x's rows (read from L1 / L2), a register tile of
 //            kRowTile x kOutBlock float32 vector accumulators, summed across lanes at the
 //            end of the chunk.
+// Several weights that share x (q/k/v, gate/up) go in one call, one XLA thunk: their rows
+// form one list of work items, and "a large W" (kParallelBytes) is their bytes together
+// reaching the call's attribute parallel_bytes (linear_cpu.PARALLEL_BYTES).
 
 #include <algorithm>
 #include <atomic>
@@ -45,11 +48,6 @@ constexpr int kOutBlock = 4;   // weight rows per register tile
 // dropped: it does not fault).
 constexpr int kPrefetchRows = 2 * kOutBlock;
 constexpr int kChunk = 512;    // columns dequantized at a time (a multiple of 32)
-// Products of fewer weight bytes run on the caller's thread alone: on this repo's loaded
-// 2-core machine XLA's pool threads started 0.1-10 ms after being scheduled, later than a
-// decode layer's products (10-100 us) had finished, and competed with the next ones
-// (SmolLM2 bfloat16 decode products: 15.8 ms a step on one thread, 20.7 ms with the pool).
-constexpr int64_t kParallelBytes = 4 << 20;
 #if defined(__AVX512F__)
 constexpr int kRowTile = 4;    // x rows per register tile: 16 accumulators of 32 registers
 #else
@@ -479,38 +477,53 @@ void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
   }
 }
 
+// A work item: weight rows [begin, end) of problem p (one weight of the call).
+struct Item {
+  int64_t p, begin, end;
+};
+
 // Runs every item on the caller and the pool's threads (as ragged_paged_attention_cpu.cc).
 // A pool task may start only after the caller has returned: it then finds no item left (the
-// count lives in `state`, which it co-owns) and touches nothing else.
+// items live in `state`, which it co-owns) and touches nothing else.
 struct SharedState {
-  SharedState(int64_t n, int64_t rows) : num_items(n), rows_per_item(rows) {}
-  const int64_t num_items, rows_per_item;
+  explicit SharedState(std::vector<Item> all) : items(std::move(all)) {}
+  const std::vector<Item> items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> active{0};
 };
 
-void run_items(ffi::ThreadPool& pool, const Problem& pb) {
-  if (pb.weight_bytes < kParallelBytes) {  // the caller alone: no shared state to set up
-    run_rows(pb, 0, pb.out);
+// The problems of one call (weights sharing x) stream as one: items over their concatenated
+// output rows, parallel when all their weight bytes together reach `parallel_bytes`.
+void run_items(ffi::ThreadPool& pool, const std::vector<Problem>& problems,
+               int64_t parallel_bytes) {
+  int64_t bytes = 0, out = 0;
+  for (const Problem& pb : problems) bytes += pb.weight_bytes, out += pb.out;
+  if (bytes < parallel_bytes) {  // the caller alone: no shared state to set up
+    for (const Problem& pb : problems) run_rows(pb, 0, pb.out);
     return;
   }
   const int64_t workers = pool.num_threads() + 1;
   // About 4 items a worker, for balance when a core is busy elsewhere; whole register tiles.
-  int64_t rows = (pb.out + 4 * workers - 1) / (4 * workers);
+  int64_t rows = (out + 4 * workers - 1) / (4 * workers);
   rows = std::max<int64_t>(kOutBlock, (rows + kOutBlock - 1) / kOutBlock * kOutBlock);
-  auto state = std::make_shared<SharedState>((pb.out + rows - 1) / rows, rows);
-  const Problem* problem = &pb;
-  auto worker = [state, problem]() {
+  std::vector<Item> items;
+  for (size_t p = 0; p < problems.size(); ++p)
+    for (int64_t o = 0; o < problems[p].out; o += rows)
+      items.push_back({static_cast<int64_t>(p), o, std::min(problems[p].out, o + rows)});
+  auto state = std::make_shared<SharedState>(std::move(items));
+  const Problem* base = problems.data();
+  auto worker = [state, base]() {
     state->active.fetch_add(1);
     for (;;) {
       const int64_t i = state->next.fetch_add(1);
-      if (i >= state->num_items) break;
-      const int64_t begin = i * state->rows_per_item;
-      run_rows(*problem, begin, std::min(problem->out, begin + state->rows_per_item));
+      if (i >= static_cast<int64_t>(state->items.size())) break;
+      const Item& item = state->items[i];
+      run_rows(base[item.p], item.begin, item.end);
     }
     state->active.fetch_sub(1);
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), state->num_items - 1);
+  const int64_t helpers =
+      std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(state->items.size()) - 1);
   for (int64_t t = 0; t < helpers; ++t) {
     auto task = worker;  // Schedule takes its task by value (an rvalue)
     pool.Schedule(std::move(task));
@@ -522,16 +535,14 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb) {
 
 bool is_scale_type(ffi::DataType t) { return t == ffi::F32 || t == ffi::F16; }
 
-ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                  ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y,
-                  bool bf16) {
-  const auto x_dims = x.dimensions();
+// One weight of the call as a Problem (x's fields are set by the caller): checks its shapes.
+ffi::Error weight_problem(const ffi::AnyBuffer& w, const ffi::AnyBuffer& scales,
+                          const ffi::AnyBuffer& mins, int64_t rows, int64_t in, bool bf16,
+                          Problem& pb) {
   const auto w_dims = w.dimensions();
-  if (x_dims.size() != 2 || w_dims.size() != 2)
-    return ffi::Error::InvalidArgument("x and w must be matrices");
-  Problem pb;
-  pb.rows = x_dims[0];
-  pb.in = x_dims[1];
+  if (w_dims.size() != 2) return ffi::Error::InvalidArgument("w must be a matrix");
+  pb.rows = rows;
+  pb.in = in;
   pb.out = w_dims[0];
   pb.w = static_cast<const char*>(w.untyped_data());
   pb.scales = scales.untyped_data();
@@ -566,16 +577,63 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   pb.weight_bytes = w.size_bytes() + scales.size_bytes() + mins.size_bytes();
   if (pb.bf16 && pb.kind == Kind::kF32)
     return ffi::Error::InvalidArgument("bf16 is for bfloat16 or quantized weights");
-  pb.y = y->typed_data();
-  if (pb.rows == 0 || pb.out == 0) return ffi::Error::Success();
-  std::vector<int32_t> vector_group;
-  if (pb.kind == Kind::kInt8) {
-    vector_group.resize((pb.in + kLanes - 1) / kLanes + 1);
-    const int64_t group = pb.in / pb.groups;
-    for (size_t v = 0; v < vector_group.size(); ++v)
-      vector_group[v] = static_cast<int32_t>(std::min<int64_t>(v * kLanes / group, pb.groups - 1));
-    pb.vector_group = vector_group.data();
+  return ffi::Error::Success();
+}
+
+// The prepared problem `x_ready` (x as the tiles read it, whatever fields that takes) with
+// the weight and result of `weight`: the fields weight_problem and Linears set per weight.
+Problem with_weight(const Problem& x_ready, const Problem& weight) {
+  Problem pb = x_ready;
+  pb.out = weight.out;
+  pb.weight_bytes = weight.weight_bytes;
+  pb.w = weight.w;
+  pb.scales = weight.scales, pb.mins = weight.mins;
+  pb.scales_f16 = weight.scales_f16, pb.mins_f16 = weight.mins_f16;
+  pb.groups = weight.groups;
+  pb.vector_group = weight.vector_group;
+  pb.y = weight.y;
+  return pb;
+}
+
+// y_i f32[R, O_i] = x . W_i^T for every weight W_i of the call, streamed as one product.
+ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
+                   ffi::RemainingRets ys, bool bf16, int64_t parallel_bytes) {
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() != 2) return ffi::Error::InvalidArgument("x must be a matrix");
+  if (ys.size() == 0 || weights.size() != 3 * ys.size())
+    return ffi::Error::InvalidArgument("each weight comes as (w, scales, mins), one result each");
+  std::vector<Problem> problems(ys.size());
+  std::vector<std::vector<int32_t>> vector_groups(ys.size());
+  for (size_t i = 0; i < ys.size(); ++i) {
+    auto w = weights.get<ffi::AnyBuffer>(3 * i);
+    auto scales = weights.get<ffi::AnyBuffer>(3 * i + 1);
+    auto mins = weights.get<ffi::AnyBuffer>(3 * i + 2);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (w.has_error()) return w.error();
+    if (scales.has_error()) return scales.error();
+    if (mins.has_error()) return mins.error();
+    if (y.has_error()) return y.error();
+    Problem& pb = problems[i];
+    ffi::Error error = weight_problem(*w, *scales, *mins, x_dims[0], x_dims[1], bf16, pb);
+    if (error.failure()) return error;
+    if (pb.kind != problems[0].kind)  // x is prepared once, as the kind's tiles read it
+      return ffi::Error::InvalidArgument("the weights of one call must be of one kind");
+    const auto y_dims = (*y)->dimensions();
+    if (y_dims.size() != 2 || y_dims[0] != pb.rows || y_dims[1] != pb.out)
+      return ffi::Error::InvalidArgument("each result must be [R, O] of its weight");
+    pb.y = (*y)->typed_data();
+    if (pb.kind == Kind::kInt8) {
+      std::vector<int32_t>& vector_group = vector_groups[i];
+      vector_group.resize((pb.in + kLanes - 1) / kLanes + 1);
+      const int64_t group = pb.in / pb.groups;
+      for (size_t v = 0; v < vector_group.size(); ++v)
+        vector_group[v] =
+            static_cast<int32_t>(std::min<int64_t>(v * kLanes / group, pb.groups - 1));
+      pb.vector_group = vector_group.data();
+    }
   }
+  if (x_dims[0] == 0) return ffi::Error::Success();
+  Problem& pb = problems[0];
   // x as the tiles read it: a bfloat16 product multiplies x rounded to bfloat16 (XLA's dot
   // rounds it the same way), in bfloat16 for vdpbf16ps; float x is padded with zeros to
   // whole vectors when I is not a multiple of kLanes.
@@ -603,19 +661,21 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
       }
     pb.x = padded.data();
   }
-  run_items(pool, pb);
+  for (size_t i = 1; i < problems.size(); ++i) problems[i] = with_weight(pb, problems[i]);
+  run_items(pool, problems, parallel_bytes);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaLinearCpu, Linear,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaLinearCpu, Linears,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [R, I]
-                                  .Arg<ffi::AnyBuffer>()         // w [O, I] (int4: [O, I/2])
-                                  .Arg<ffi::AnyBuffer>()         // scales [O, G] or [0, 0]
-                                  .Arg<ffi::AnyBuffer>()         // mins [O, I/32] or [0, 0]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [R, O]
-                                  .Attr<bool>("bf16")  // a bfloat16 product (see Problem)
-);
+                                  // per weight: w [O, I] (int4: [O, I/2]), scales [O, G] or
+                                  // [0, 0], mins [O, I/32] or [0, 0]
+                                  .RemainingArgs()
+                                  .RemainingRets()  // per weight: y f32[R, O]
+                                  .Attr<bool>("bf16")  // bfloat16 products (see Problem)
+                                  // weight bytes from which the pool's threads join
+                                  .Attr<int64_t>("parallel_bytes"));

@@ -1,6 +1,8 @@
 """Small-batch linear layers for CPUs: y f32[R, O] = x f32[R, I] . w[O, I]^T as a C++ XLA
 FFI custom call, linear_cpu.cc, for float32, bfloat16, int8 and int4 weights (quant.py's
-Int8Matrix / Int4Matrix, read as their packed bytes: no dequantized copy).
+Int8Matrix / Int4Matrix, read as their packed bytes: no dequantized copy). One call takes
+one weight (`linear`) or several that share x (`linears`: q/k/v, gate/up), streamed as one
+product: one XLA thunk, its work items spread over all of the weights' rows.
 
 At decode's few rows a product is bound by the weight bytes, and XLA:CPU streams them far
 below the machine's bandwidth; the kernel has every core stream its own weight rows once,
@@ -17,10 +19,12 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ksana_jax import quant
 from ksana_jax.pallas_kernels import cpu_build
@@ -37,6 +41,12 @@ _SYMBOL = "KsanaLinearCpu"
 # [576, 1536], [49152, 576], weights from memory).
 MAX_ROWS = {"float32": 0, "bfloat16": 8, "int8": 8, "int4": 16}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
+# Calls of fewer weight bytes (all of their weights together) run on the caller's thread
+# alone: on this repo's loaded 2-core machine XLA's pool threads started 0.1-10 ms after
+# being scheduled, later than a decode layer's products (10-100 us) had finished, and
+# competed with the next ones (SmolLM2 bfloat16 decode products: 15.8 ms a step on one
+# thread, 20.7 ms with the pool). benchmarks/linear_cpu.py --fused re-measures it.
+PARALLEL_BYTES = 4 << 20
 # KSANA_JAX_CPU_LINEAR=0 keeps XLA's dot everywhere (a before/after comparison in one run).
 ENABLED = os.environ.get("KSANA_JAX_CPU_LINEAR", "1") != "0"
 
@@ -66,8 +76,7 @@ def takes(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> bool:
     format's MAX_ROWS, when the kernel builds here."""
     if not ENABLED or x.ndim != 2 or jax.default_backend() != "cpu" or not supports(w):
         return False
-    fmt = w.format if quant.is_quantized(w) else jnp.dtype(w.dtype).name
-    if x.shape[0] > MAX_ROWS[fmt]:
+    if x.shape[0] > MAX_ROWS[kind(w)[0]]:
         return False
     mesh = jax.sharding.get_abstract_mesh()
     return (mesh.empty or mesh.size == 1) and available()
@@ -100,18 +109,46 @@ def _scale_dtype(a: jax.Array) -> jax.Array:
     return a if a.dtype in (jnp.float32, jnp.float16) else a.astype(jnp.float32)
 
 
+def kind(w: jax.Array | quant.QuantizedMatrix) -> tuple[str, str]:
+    """The weight's storage format and product dtype: weights of one `linears` call share it."""
+    fmt = w.format if quant.is_quantized(w) else jnp.dtype(w.dtype).name
+    return fmt, jnp.dtype(w.dtype).name
+
+
+def takes_together(x: jax.Array, weights: Sequence[jax.Array | quant.QuantizedMatrix]) -> bool:
+    """Whether `layers.linears` runs x times every one of `weights` as one kernel call: the
+    kernel takes each (`takes`) and they are of one `kind`."""
+    return all(takes(x, w) for w in weights) and len({kind(w) for w in weights}) == 1
+
+
+def linears(x: jax.Array, *weights: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, ...]:
+    """x [R, I] times each weight w_i [O_i, I] transposed -> (f32[R, O_i], ...), as one kernel
+    call: `linear` for every weight, streamed together (the weights must be of one `kind`).
+    Raises ValueError for a weight the kernel does not take (`supports`) or mixed kinds."""
+    for w in weights:
+        if not supports(w):
+            raise ValueError(f"the cpu linear kernel does not take a weight {w!r:.200}")
+        if x.ndim != 2 or x.shape[1] != w.shape[1]:
+            raise ValueError(f"x must be [R, {w.shape[1]}], got {x.shape}")
+    kinds = {kind(w) for w in weights}
+    if len(kinds) != 1:
+        raise ValueError(f"the weights of one call must be of one kind, got {sorted(kinds)}")
+    cpu_build.register(SOURCE, _SYMBOL, TARGET)
+    operands = []
+    for w in weights:
+        values, scales, mins = _operands(w)
+        operands += [values, _scale_dtype(scales), _scale_dtype(mins)]
+    results = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32) for w in weights]
+    call = jax.ffi.ffi_call(TARGET, results)
+    bf16 = jnp.dtype(weights[0].dtype) == jnp.bfloat16
+    ys = call(x.astype(jnp.float32), *operands, bf16=bf16, parallel_bytes=np.int64(PARALLEL_BYTES))
+    return tuple(ys)
+
+
 def linear(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> jax.Array:
     """x [R, I] times w [O, I] transposed -> f32[R, O]: `models.layers.linear` without a bias,
     within float32 rounding: as there, the product is in w's dtype (a quantized matrix's
     `dtype`): for bfloat16, x and the dequantized weights are rounded to bfloat16 and their
     products summed in float32.
     Raises ValueError for a weight the kernel does not take (`supports`)."""
-    if not supports(w):
-        raise ValueError(f"the cpu linear kernel does not take a weight {w!r:.200}")
-    if x.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"x must be [R, {w.shape[1]}], got {x.shape}")
-    cpu_build.register(SOURCE, _SYMBOL, TARGET)
-    values, scales, mins = _operands(w)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
-    bf16 = jnp.dtype(w.dtype) == jnp.bfloat16
-    return call(x.astype(jnp.float32), values, _scale_dtype(scales), _scale_dtype(mins), bf16=bf16)
+    return linears(x, w)[0]
