@@ -56,13 +56,15 @@ def all_core_read_bandwidth(threads: int = 0) -> float:
 
 
 def make_weight(rng: np.random.Generator, dtype: str, out: int, inp: int):
+    """A random weight; int8 / int4 ones multiply in bfloat16, as a bfloat16 model's do."""
     if dtype == "int8":
         values = rng.integers(-127, 128, (out, inp), dtype=np.int8)
-        return quant.Int8Matrix(jnp.asarray(values), jnp.asarray(rng.random((out, 1), np.float32)))
+        scales = jnp.asarray(rng.random((out, 1), np.float32))
+        return quant.Int8Matrix(jnp.asarray(values), scales, "bfloat16")
     if dtype == "int4":
         packed = rng.integers(0, 256, (out, inp // 2), dtype=np.uint8)
         scales = jnp.asarray(rng.random((out, inp // 32)), jnp.float16)
-        return quant.Int4Matrix(jnp.asarray(packed), scales, -scales)
+        return quant.Int4Matrix(jnp.asarray(packed), scales, -scales, "bfloat16")
     return jnp.asarray(rng.standard_normal((out, inp), np.float32), dtype)
 
 

@@ -26,7 +26,8 @@ ROWS = [1, 2, 3, 5, 8, 16]  # register tiles of 4 rows: none, one, several, with
 
 def weight(rng: np.random.Generator, fmt: str, out: int, inp: int):
     """A random weight of format `fmt`; a "_bf16" suffix makes a quantized matrix's product
-    bfloat16's (a bfloat16 model quantized), "int8_g16" has a float32 scale per 16 columns."""
+    bfloat16's (a bfloat16 model quantized), "int8_g16" has a float32 scale per 16 columns,
+    "int4_f32" float32 scales and mins (int4's are float16)."""
     w = rng.standard_normal((out, inp)).astype(np.float32)
     fmt, bf16 = fmt.removesuffix("_bf16"), fmt.endswith("_bf16")
     if fmt in ("float32", "bfloat16"):
@@ -36,6 +37,9 @@ def weight(rng: np.random.Generator, fmt: str, out: int, inp: int):
         group, scale_dtype = (32, np.float16) if fmt == "int8_q8_0" else (16, np.float32)
         scales = rng.random((out, inp // group)).astype(scale_dtype) / 100
         m = quant.Int8Matrix(m.values, scales)
+    elif fmt == "int4_f32":
+        m = quant.quantize(w, "int4")
+        m = quant.Int4Matrix(m.packed, m.scales.astype(np.float32), m.mins.astype(np.float32))
     else:
         m = quant.quantize(w, fmt)
     if bf16:
@@ -44,10 +48,14 @@ def weight(rng: np.random.Generator, fmt: str, out: int, inp: int):
 
 
 def reference(x: jax.Array, w) -> jax.Array:
-    """Dequantize, then a float32 dot; bfloat16 weights multiply x rounded to bfloat16."""
+    """Dequantize, then a float32 dot; bfloat16 weights multiply x rounded to bfloat16. An
+    int4 matrix in a bfloat16 product is dequantized to float32, not bfloat16: the kernel
+    multiplies the exact q * scale + min (Q4_1's algebra, linear_cpu.cc)."""
     if jnp.dtype(w.dtype) == jnp.bfloat16:  # a quantized matrix's dtype is a name
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
-    if quant.is_quantized(w):
+    if isinstance(w, quant.Int4Matrix):
+        w = quant.dequantize(w, "float32")
+    elif quant.is_quantized(w):
         w = quant.dequantize(w)
     w = w.astype(jnp.float32)
     return jnp.dot(x, w.T, precision=jax.lax.Precision.HIGHEST)
@@ -55,7 +63,18 @@ def reference(x: jax.Array, w) -> jax.Array:
 
 @pytest.mark.parametrize(
     "fmt",
-    ["float32", "bfloat16", "int8", "int8_bf16", "int8_q8_0", "int8_g16_bf16", "int4", "int4_bf16"],
+    [
+        "float32",
+        "bfloat16",
+        "int8",
+        "int8_bf16",
+        "int8_q8_0",
+        "int8_g16_bf16",
+        "int4",
+        "int4_bf16",
+        "int4_f32",
+        "int4_f32_bf16",
+    ],
 )
 def test_kernel_equals_the_jnp_reference(fmt):
     rng = np.random.default_rng(0)

@@ -11,10 +11,13 @@
 // Work items: disjoint ranges of weight rows (output features), spread over XLA's intra-op
 // thread pool for a large W (kParallelBytes), so every core streams its own part of W, each
 // weight byte read once. An item walks its rows kOutBlock at a time. The direct paths --
-// bfloat16 (vdpbf16ps), float32 (FMA), and int8 / int4 at up to kRowTile rows -- multiply
-// the block's rows straight from memory (dequantized in registers), prefetching
-// kPrefetchRows ahead. Otherwise (int8 / int4 at more rows, or no AVX512-BF16) each block
-// goes kChunk columns at a time:
+// bfloat16 (vdpbf16ps), float32 (FMA), int4 in a bfloat16 product at any rows (Q4_1's
+// algebra: the 4-bit values go to vdpbf16ps as exact bfloat16 1 + q / 16, the scales and
+// minimums are applied per group after the dot; tile_dot_int4_bf16), and int8 / int4 in a
+// float32 product at up to kRowTile rows -- multiply the block's rows straight from memory
+// (dequantized in registers), prefetching kPrefetchRows ahead. Otherwise (int8 at more
+// rows, int4 in a float32 product at more rows, or no AVX512-BF16) each block goes kChunk
+// columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
 //            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;
 //   phase 2  for every kRowTile of x's rows (read from L1 / L2), a register tile of
@@ -122,7 +125,10 @@ struct Problem {
   const float* x;  // [R, x_stride]: x, or a copy padded with zeros to a multiple of kLanes
   int64_t x_stride;
   const uint16_t* x_bf16;  // [R, x_bf16_stride]: x in bfloat16 (bfloat16 weights, kDotBF16)
-  int64_t x_bf16_stride;
+  int64_t x_bf16_stride;   // int4: columns [k..k+63] stored as k..k+15, k+32..k+47, k+16..k+31,
+                           // k+48..k+63 (the nibbles' order, tile_dot_int4_bf16), 0-padded
+  const float* x_sum;      // int4, bfloat16 product: [R, x_sum_stride] x_bf16's sum per group
+  int64_t x_sum_stride;
   int64_t rows, in, out;  // R, I, O
   int64_t weight_bytes;    // of W (and its scales)
   Kind kind;
@@ -329,9 +335,9 @@ inline float scale_value(const void* p, bool f16, int64_t i) {
   return f16 ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
 }
 
-// int8 / int4 weights at up to kRowTile rows of x: each 32 columns of the block's weight rows
-// are dequantized in registers (widened to float32, times the scale, plus the minimum for
-// int4) and multiplied there -- for a bfloat16 product rounded to bfloat16 (vcvtne2ps2bf16,
+// int8 weights (and int4 in a float32 product) at up to kRowTile rows of x: each 32 columns
+// of the block's weight rows are dequantized in registers (widened to float32, times the
+// scale, plus the minimum for int4) and multiplied there -- for a bfloat16 product rounded to bfloat16 (vcvtne2ps2bf16,
 // to nearest even as XLA's convert) and multiplied by vdpbf16ps, else by float32 FMAs. No
 // scratch: the weight bytes are read once and touch no memory but the registers, so the
 // product streams half (int8) or a quarter (int4) of bfloat16's bytes at the same speed.
@@ -409,6 +415,101 @@ void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
     for (int j = 0; j < kOutBlock; ++j) acc[r * kOutBlock + j] = _mm512_reduce_add_ps(sums[r][j]);
 }
 
+// int4 weights in a bfloat16 product, at any rows, by Q4_1's algebra: over a group,
+//     x . (d q + m) = 16 d (x . (1 + q / 16)) + (m - 16 d) sum(x),
+// with sum(x) per group of each row of x computed once per call (Problem::x_sum, of x as
+// rounded to bfloat16). 1 + q / 16 is exact in bfloat16: its bits are 0x3F80 | q << 3, so a
+// shift and a vpternlogd ((w << 3) & 0x78 | 0x3F80) after vpmovzxbw of a pair of groups' 32
+// bytes give their 32 low-nibble weights, (w >> 1) & 0x78 | 0x3F80 the 32 high ones, ready
+// for vdpbf16ps -- no float conversion, scaling or rounding of the weights (more exact than
+// dequantizing to bfloat16 first). The offset 1 (not 128 + q, bits 0x4300 | q, one op less)
+// keeps the cancellation against (m - 16 d) sum(x) small: 6-8x smaller errors, within 2-5x
+// a float32 dot's, at the same speed within this machine's noise. x_bf16 is permuted per 64
+// columns (Problem) to line up: lanes 0-7 of the dot's sums are the first group's, 8-15 the
+// second's, multiplied by [16 d_g x8, 16 d_g+1 x8] (a vpermps of 16 groups' scales) into the
+// accumulators. The (m - 16 d) sum(x) terms go into the same accumulators, 16 groups a vector.
+inline __m512 load_groups(const void* p, bool f16, int64_t i, __mmask16 mask) {
+  if (f16) {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + i;
+    return _mm512_cvtph_ps(mask == 0xffff ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))
+                                          : _mm256_maskz_loadu_epi16(mask, h));
+  }
+  const float* f = static_cast<const float*>(p) + i;
+  return mask == 0xffff ? _mm512_loadu_ps(f) : _mm512_maskz_loadu_ps(mask, f);
+}
+
+template <int RT>
+void tile_dot_int4_bf16(const Problem& pb, int64_t r0, const int64_t* rows, float* acc) {
+  __m512 sums[RT][kOutBlock];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
+  const uint8_t* w[kOutBlock];
+  for (int j = 0; j < kOutBlock; ++j) w[j] = reinterpret_cast<const uint8_t*>(pb.w) + rows[j] * pb.in / 2;
+  const uint16_t* x = pb.x_bf16 + r0 * pb.x_bf16_stride;
+  const float* x_sum = pb.x_sum + r0 * pb.x_sum_stride;
+  const __m512i nibble = _mm512_set1_epi16(0x78), one = _mm512_set1_epi16(0x3F80);
+  const int64_t ahead = kPrefetchRows * pb.in / 2;
+  for (int64_t c = 0; c < pb.groups; c += 16) {  // 16 groups (512 columns) at a time
+    const int64_t left = pb.groups - c;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    __m512 d[kOutBlock];
+    for (int j = 0; j < kOutBlock; ++j) {
+      const int64_t gi = rows[j] * pb.groups + c;
+      d[j] = load_groups(pb.scales, pb.scales_f16, gi, mask);
+      const __m512 m = load_groups(pb.mins, pb.mins_f16, gi, mask);
+      const __m512 offset = _mm512_fmadd_ps(d[j], _mm512_set1_ps(-16.0f), m);
+      d[j] = _mm512_mul_ps(d[j], _mm512_set1_ps(16.0f));
+      for (int r = 0; r < RT; ++r)
+        sums[r][j] = _mm512_fmadd_ps(offset, _mm512_loadu_ps(x_sum + r * pb.x_sum_stride + c),
+                                     sums[r][j]);
+    }
+    const int64_t pairs = left >= 16 ? 8 : (left + 1) / 2;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t k = (c + 2 * p) * 32;  // the pair's first column
+      const bool both = c + 2 * p + 1 < pb.groups;
+      const __m512i idx = _mm512_set_epi32(2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                           2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                           2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p);
+      __m512i x_lo[RT], x_hi[RT];
+      for (int r = 0; r < RT; ++r) {
+        x_lo[r] = _mm512_loadu_si512(x + r * pb.x_bf16_stride + k);
+        x_hi[r] = _mm512_loadu_si512(x + r * pb.x_bf16_stride + k + 32);
+      }
+      for (int j = 0; j < kOutBlock; ++j) {
+        const uint8_t* b = w[j] + k / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(b + ahead), _MM_HINT_T0);
+        const __m256i bytes =
+            both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))
+                 : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+        const __m512i w16 = _mm512_cvtepu8_epi16(bytes);
+        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi16(w16, 3), nibble, one, 0xEA);
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w16, 1), nibble, one, 0xEA);
+        const __m512 scale = _mm512_permutexvar_ps(idx, d[j]);
+        for (int r = 0; r < RT; ++r) {
+          __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)x_lo[r], (__m512bh)lo);
+          dot = _mm512_dpbf16_ps(dot, (__m512bh)x_hi[r], (__m512bh)hi);
+          sums[r][j] = _mm512_fmadd_ps(dot, scale, sums[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j)
+      acc[(r0 + r) * kOutBlock + j] = _mm512_reduce_add_ps(sums[r][j]);
+}
+
+void block_int4_bf16(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  int64_t rows[kOutBlock];  // rows past the block repeat its first (unused sums)
+  for (int j = 0; j < kOutBlock; ++j) rows[j] = o + (j < block ? j : 0);
+  int64_t r = 0;
+  for (; r + 4 <= pb.rows; r += 4) tile_dot_int4_bf16<4>(pb, r, rows, acc);
+  switch (pb.rows - r) {
+    case 3: tile_dot_int4_bf16<3>(pb, r, rows, acc); break;
+    case 2: tile_dot_int4_bf16<2>(pb, r, rows, acc); break;
+    case 1: tile_dot_int4_bf16<1>(pb, r, rows, acc); break;
+  }
+}
+
 template <Kind K, bool kBF16>
 void block_quant_rows(const Problem& pb, int64_t o, int64_t block, float* acc) {
   switch (pb.rows) {
@@ -424,7 +525,7 @@ void block_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
     if (pb.bf16) block_quant_rows<Kind::kInt8, true>(pb, o, block, acc);
     else block_quant_rows<Kind::kInt8, false>(pb, o, block, acc);
   } else if (pb.bf16) {
-    block_quant_rows<Kind::kInt4, true>(pb, o, block, acc);
+    block_int4_bf16(pb, o, block, acc);
   } else {
     block_quant_rows<Kind::kInt4, false>(pb, o, block, acc);
   }
@@ -439,6 +540,7 @@ inline bool direct(const Problem& pb) {
   switch (pb.kind) {
     case Kind::kBF16: return kDotBF16;
     case Kind::kF32: return kDirectF32;
+    case Kind::kInt4: return kDirectQuant && (pb.bf16 || pb.rows <= kRowTile);
     default: return kDirectQuant && pb.rows <= kRowTile;
   }
 }
@@ -531,6 +633,43 @@ void run_items(ffi::ThreadPool& pool, const std::vector<Problem>& problems,
   worker();
   // Every item is claimed; wait for the ones still running.
   while (state->active.load() != 0) std::this_thread::yield();
+}
+
+// x for tile_dot_int4_bf16: rounded to bfloat16 (vcvtne2ps2bf16: to nearest even, as XLA's
+// convert), permuted and padded with zeros to whole 16 groups (Problem::x_bf16), and its sums
+// per group of 32 columns (Problem::x_sum). I % 32 == 0: a step of 64 has one or two groups.
+void prepare_int4_x(const float* x, Problem& pb, std::vector<uint16_t>& x_bf16,
+                    std::vector<float>& x_sum) {
+#if defined(__AVX512BF16__)
+  pb.x_sum_stride = (pb.groups + 15) / 16 * 16;
+  pb.x_bf16_stride = pb.x_sum_stride * 32;
+  x_bf16.assign(pb.rows * pb.x_bf16_stride, 0);
+  x_sum.assign(pb.rows * pb.x_sum_stride, 0.0f);
+  auto widen = [](__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); };
+  for (int64_t r = 0; r < pb.rows; ++r) {
+    const float* src = x + r * pb.in;
+    uint16_t* dst = x_bf16.data() + r * pb.x_bf16_stride;
+    float* sums = x_sum.data() + r * pb.x_sum_stride;
+    for (int64_t k = 0; k < pb.in; k += 64) {
+      const bool both = k + 32 < pb.in;
+      const __m512 zero = _mm512_setzero_ps();
+      const __m512 a = _mm512_loadu_ps(src + k), b = _mm512_loadu_ps(src + k + 16);
+      const __m512 c = both ? _mm512_loadu_ps(src + k + 32) : zero;
+      const __m512 d = both ? _mm512_loadu_ps(src + k + 48) : zero;
+      const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(c, a);  // [a, c]
+      const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(d, b);  // [b, d]
+      _mm512_storeu_si512(dst + k, lo);
+      _mm512_storeu_si512(dst + k + 32, hi);
+      sums[k / 32] = _mm512_reduce_add_ps(_mm512_add_ps(widen(_mm512_castsi512_si256(lo)),
+                                                        widen(_mm512_castsi512_si256(hi))));
+      if (both)
+        sums[k / 32 + 1] = _mm512_reduce_add_ps(_mm512_add_ps(
+            widen(_mm512_extracti64x4_epi64(lo, 1)), widen(_mm512_extracti64x4_epi64(hi, 1))));
+    }
+  }
+  pb.x_bf16 = x_bf16.data();
+  pb.x_sum = x_sum.data();
+#endif
 }
 
 bool is_scale_type(ffi::DataType t) { return t == ffi::F32 || t == ffi::F16; }
@@ -638,9 +777,11 @@ ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
   // rounds it the same way), in bfloat16 for vdpbf16ps; float x is padded with zeros to
   // whole vectors when I is not a multiple of kLanes.
   const bool round_x = pb.bf16;
-  std::vector<float> padded;
+  std::vector<float> padded, x_sum;
   std::vector<uint16_t> x_bf16;
-  if ((pb.kind == Kind::kBF16 || pb.bf16) && direct(pb)) {
+  if (pb.kind == Kind::kInt4 && pb.bf16 && direct(pb)) {
+    prepare_int4_x(x.typed_data(), pb, x_bf16, x_sum);
+  } else if ((pb.kind == Kind::kBF16 || pb.bf16) && direct(pb)) {
     pb.x_bf16_stride = (pb.in + 31) / 32 * 32;
     x_bf16.assign(pb.rows * pb.x_bf16_stride, 0);
     for (int64_t r = 0; r < pb.rows; ++r)

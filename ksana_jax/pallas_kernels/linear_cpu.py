@@ -36,16 +36,18 @@ _SYMBOL = "KsanaLinearCpu"
 # dot was as fast or faster on one SmolLM2 decode step's products (benchmarks/linear_cpu.py
 # --shapes smollm2, this repo's loaded 2-core AVX-512 machine; kernel / XLA time: bfloat16,
 # with prefetching, 0.44x at 2 rows, 0.58x at 5, 0.73x at 8, 0.94x at 16; int8 0.23x at
-# 1, 0.53x at 8; int4 0.1-0.3x at 1-16 per product). float32 stays on XLA's matrix-vector
-# product: at 1 row it was 1.1-3x faster than the kernel ([576, 576], [1536, 576],
-# [576, 1536], [49152, 576], weights from memory).
+# 1, 0.53x at 8; int4 in a bfloat16 product, by Q4_1's algebra, 0.01-0.2x at 1-16 rows
+# per product at load 9-11, 0.4-0.7x the time of the path before it). float32 stays on
+# XLA's matrix-vector product: at 1 row it was 1.1-3x faster than the kernel ([576, 576],
+# [1536, 576], [576, 1536], [49152, 576], weights from memory).
 MAX_ROWS = {"float32": 0, "bfloat16": 8, "int8": 8, "int4": 16}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 # Calls of fewer weight bytes (all of their weights together) run on the caller's thread
 # alone: on this repo's loaded 2-core machine XLA's pool threads started 0.1-10 ms after
 # being scheduled, later than a decode layer's products (10-100 us) had finished, and
 # competed with the next ones (SmolLM2 bfloat16 decode products: 15.8 ms a step on one
-# thread, 20.7 ms with the pool). benchmarks/linear_cpu.py --fused re-measures it.
+# thread, 20.7 ms with the pool; int4 at 1 row: 7.5 ms on one thread, 13.1 ms with the pool
+# above 256 KB, load 5-6). benchmarks/linear_cpu.py --fused re-measures it.
 PARALLEL_BYTES = 4 << 20
 # KSANA_JAX_CPU_LINEAR=0 keeps XLA's dot everywhere (a before/after comparison in one run).
 ENABLED = os.environ.get("KSANA_JAX_CPU_LINEAR", "1") != "0"
@@ -149,6 +151,8 @@ def linear(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> jax.Array:
     """x [R, I] times w [O, I] transposed -> f32[R, O]: `models.layers.linear` without a bias,
     within float32 rounding: as there, the product is in w's dtype (a quantized matrix's
     `dtype`): for bfloat16, x and the dequantized weights are rounded to bfloat16 and their
-    products summed in float32.
+    products summed in float32 -- but an int4 matrix's weights are not rounded: the kernel
+    multiplies x by the exact q * scale + min (closer to the float32 product than the jnp
+    path's bfloat16 weights, by up to their rounding, 2^-9 of each weight).
     Raises ValueError for a weight the kernel does not take (`supports`)."""
     return linears(x, w)[0]
