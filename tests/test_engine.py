@@ -393,7 +393,9 @@ def test_n_samples_share_the_prompt_pages(tiny_model):
     params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
     usage = {}
     for caching in (True, False):
-        llm = LLM(tiny_model, warm_up=False, **(BASE | {"enable_prefix_caching": caching}))
+        # Step by step, each step's tokens fetched by the step itself (no async scheduling).
+        config = BASE | {"enable_prefix_caching": caching, "async_scheduling": False}
+        llm = LLM(tiny_model, warm_up=False, **config)
         engine = llm.engine
         engine.add_request("n3", prompt, params)
         samples = engine._groups["n3"].samples
