@@ -14,7 +14,9 @@
 //            kScoreBlock queries at a time;
 //   phase 3  optional soft-cap (cap * tanh(s / cap)), then online softmax in float32
 //            (running max, denominator, weighted value sum per query), rescaled tile by
-//            tile as in flash attention.
+//            tile as in flash attention; kPvRows queries at a time add up the tile's
+//            values with their sums held in registers (each value row loaded once for
+//            the block; a position a query does not see weighs 0).
 //
 // Position p of row s comes from the pages (through the page table) when p < num_cached,
 // and from k_new / v_new when it is one of the step's own tokens; a query at position q
