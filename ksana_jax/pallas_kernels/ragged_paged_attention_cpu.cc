@@ -14,7 +14,9 @@
 //            kScoreBlock queries at a time;
 //   phase 3  optional soft-cap (cap * tanh(s / cap)), then online softmax in float32
 //            (running max, denominator, weighted value sum per query), rescaled tile by
-//            tile as in flash attention.
+//            tile as in flash attention; kPvRows queries at a time add up the tile's
+//            values with their sums held in registers (each value row loaded once for
+//            the block; a position a query does not see weighs 0).
 //
 // Position p of row s comes from the pages (through the page table) when p < num_cached,
 // and from k_new / v_new when it is one of the step's own tokens; a query at position q
@@ -40,7 +42,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -197,6 +199,61 @@ struct Item {
 constexpr int kMaxQueries = kQueryBlock * kMaxGroup;
 constexpr int kScoreBlock = 4;      // queries scored together against a transposed tile
 constexpr int kTransposeFrom = 8;   // queries in an item from which the tile is transposed
+constexpr int kPvRows = kScoreBlock;  // queries whose value sums are updated together
+
+// acc[r] = acc[r] * rescale[r] + sum_j p[r][j] * values[j] over j in [lo, hi), for the first
+// `rows` of kRows rows of acc (stride H). With kHeadDim a multiple of 16 on AVX-512, the
+// kRows x kHeadDim accumulators stay in registers and each value row is loaded once for all
+// rows; the sums run in the same order as the scalar loop (per element: rescale, then j
+// ascending, one FMA each).
+template <int kHeadDim, int kRows>
+inline void accumulate(float* acc, int rows, int64_t H, const float* values,
+                       const float (*p)[kTile], const float* rescale, int lo, int hi) {
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0 && kRows * kHeadDim / 16 <= 16) {
+    constexpr int kVecs = kHeadDim / 16;
+    __m512 a[kRows][kVecs];
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 scale = _mm512_set1_ps(rescale[r]);
+#pragma GCC unroll 8
+      for (int v = 0; v < kVecs; ++v)
+        a[r][v] = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(acc + r * kHeadDim + 16 * v), scale)
+                           : _mm512_setzero_ps();
+    }
+    for (int j = lo; j < hi; ++j) {
+      const float* vj = values + j * kHeadDim;
+      __m512 vv[kVecs];
+#pragma GCC unroll 8
+      for (int v = 0; v < kVecs; ++v) vv[v] = _mm512_loadu_ps(vj + 16 * v);
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 pj = _mm512_set1_ps(p[r][j]);
+#pragma GCC unroll 8
+        for (int v = 0; v < kVecs; ++v) a[r][v] = _mm512_fmadd_ps(pj, vv[v], a[r][v]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= rows) break;
+#pragma GCC unroll 8
+      for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(acc + r * kHeadDim + 16 * v, a[r][v]);
+    }
+    return;
+  }
+#endif
+  for (int r = 0; r < rows; ++r) {
+    float* a = acc + r * H;
+#pragma omp simd
+    for (int64_t h = 0; h < H; ++h) a[h] *= rescale[r];
+    for (int j = lo; j < hi; ++j) {
+      const float pj = p[r][j];
+      const float* vj = values + j * H;
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) a[h] += pj * vj[h];
+    }
+  }
+}
 
 // Attention of `item`'s queries (count tokens x group heads) over their row's positions.
 // kHeadDim > 0 fixes the head dim at compile time (the inner loops unroll into registers);
@@ -257,33 +314,52 @@ void attend(const Problem& pb, const Item& item) {
     load_row(pb.new_kind, base + ((token * K + item.kv_head) * H) * pb.new_itemsize, dst, H);
   };
 
-  // Soft-cap, online softmax and value update of query i with the scaled scores
-  // p[from, to) of the tile positions it sees.
+  // Positions of the tile that query i sees: [from, to), empty when from >= to.
+  auto seen = [&](int i, int32_t tile_start, int width, int* from, int* to) {
+    *from = std::max(0, query_lo[i] - tile_start);
+    *to = std::min(width, query_pos[i] - tile_start + 1);
+    return *from < *to;
+  };
+  // Phase 3 for queries first .. first + rows - 1 (rows <= kPvRows) with their scaled scores
+  // p[r][0, width): soft-cap, online softmax, then the weighted sum of the tile's values,
+  // every query's accumulator held in registers while the tile's values stream past once
+  // for the whole block. A position a query does not see weighs exactly 0.
   const float cap = pb.logit_softcap;
-  auto absorb = [&](int i, float* p, int from, int to) {
-    if (cap > 0.0f) {
-      for (int j = from; j < to; ++j) p[j] = cap * std::tanh(p[j] / cap);
-    }
-    float new_max = running_max[i];
-    for (int j = from; j < to; ++j) new_max = std::max(new_max, p[j]);
-    const float rescale = exp_nonpositive(running_max[i] - new_max);  // ~0 at the first tile
-    float sum = 0.0f;
+  auto absorb_block = [&](int first, int rows, float (*p)[kTile], int32_t tile_start,
+                          int width) {
+    float rescale[kPvRows];
+    int lo_j = width, hi_j = 0;
+    for (int r = 0; r < kPvRows; ++r) {
+      const int i = first + r;
+      int from = 0, to = 0;
+      if (r >= rows || !seen(i, tile_start, width, &from, &to)) {
+        std::fill(p[r], p[r] + kTile, 0.0f);
+        rescale[r] = 1.0f;
+        continue;
+      }
+      lo_j = std::min(lo_j, from);
+      hi_j = std::max(hi_j, to);
+      float* pr = p[r];
+      if (cap > 0.0f) {
+        for (int j = from; j < to; ++j) pr[j] = cap * std::tanh(pr[j] / cap);
+      }
+      float new_max = running_max[i];
+      for (int j = from; j < to; ++j) new_max = std::max(new_max, pr[j]);
+      rescale[r] = exp_nonpositive(running_max[i] - new_max);  // ~0 at the first tile
+      float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int j = from; j < to; ++j) {
-      p[j] = exp_nonpositive(p[j] - new_max);
-      sum += p[j];
+      for (int j = from; j < to; ++j) {
+        pr[j] = exp_nonpositive(pr[j] - new_max);
+        sum += pr[j];
+      }
+      for (int j = 0; j < from; ++j) pr[j] = 0.0f;
+      for (int j = to; j < kTile; ++j) pr[j] = 0.0f;
+      denominator[i] = denominator[i] * rescale[r] + sum;
+      running_max[i] = new_max;
     }
-    denominator[i] = denominator[i] * rescale + sum;
-    running_max[i] = new_max;
-    float* a = acc + i * H;
-#pragma omp simd
-    for (int64_t h = 0; h < H; ++h) a[h] *= rescale;
-    for (int j = from; j < to; ++j) {
-      const float pj = p[j];
-      const float* vj = values + j * H;
-#pragma omp simd
-      for (int64_t h = 0; h < H; ++h) a[h] += pj * vj[h];
-    }
+    if (lo_j >= hi_j) return;  // no query of the block sees this tile
+    accumulate<kHeadDim, kPvRows>(acc + static_cast<int64_t>(first) * H, rows, H, values, p,
+                                  rescale, lo_j, hi_j);
   };
 
   // Prefill items (many queries) score a tile as a small matrix product against the tile's
@@ -291,12 +367,6 @@ void attend(const Problem& pb, const Item& item) {
   // kScoreBlock FMAs; decode items (a few queries) take one dot product per key, which
   // skips the transpose.
   const bool transposed = num_queries >= kTransposeFrom;
-  // Positions of the tile that query i sees: [from, to), empty when from >= to.
-  auto seen = [&](int i, int32_t tile_start, int width, int* from, int* to) {
-    *from = std::max(0, query_lo[i] - tile_start);
-    *to = std::min(width, query_pos[i] - tile_start + 1);
-    return *from < *to;
-  };
   for (int32_t tile_start = item.lo; tile_start <= last; tile_start += kTile) {
     const int width = std::min<int32_t>(kTile, last + 1 - tile_start);
     // Phase 1: this tile's keys and values, in float32.
@@ -304,42 +374,39 @@ void attend(const Problem& pb, const Item& item) {
       load_position(tile_start + j, 0, keys + j * H);
       load_position(tile_start + j, 1, values + j * H);
     }
-    // Phase 2: scores, then phase 3: absorb them.
-    if (!transposed) {
-      for (int i = 0; i < num_queries; ++i) {
-        int from, to;
-        if (!seen(i, tile_start, width, &from, &to)) continue;  // a tile it does not see
-        const float* qi = queries + i * H;
-        float scores[kTile];
-        for (int j = from; j < to; ++j) {
-          const float* kj = keys + j * H;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t h = 0; h < H; ++h) dot += qi[h] * kj[h];
-          scores[j] = dot;
-        }
-        absorb(i, scores, from, to);
+    // Phase 2: scores, kPvRows queries at a time, then phase 3: absorb them.
+    if (transposed) {
+      for (int j = 0; j < kTile; ++j) {
+        for (int64_t h = 0; h < H; ++h) keys_t[h * kTile + j] = j < width ? keys[j * H + h] : 0.0f;
       }
-      continue;
     }
-    for (int j = 0; j < kTile; ++j) {
-      for (int64_t h = 0; h < H; ++h) keys_t[h * kTile + j] = j < width ? keys[j * H + h] : 0.0f;
-    }
-    for (int block = 0; block < num_queries; block += kScoreBlock) {
-      const int rows = std::min(kScoreBlock, num_queries - block);
-      alignas(64) float scores[kScoreBlock][kTile] = {};
-      for (int64_t h = 0; h < H; ++h) {
-        const float* kt = keys_t + h * kTile;
-        for (int r = 0; r < rows; ++r) {
-          const float qh = queries[(block + r) * H + h];
+    for (int block = 0; block < num_queries; block += kPvRows) {
+      const int rows = std::min(kPvRows, num_queries - block);
+      alignas(64) float scores[kPvRows][kTile] = {};
+      if (transposed) {
+        for (int64_t h = 0; h < H; ++h) {
+          const float* kt = keys_t + h * kTile;
+          for (int r = 0; r < rows; ++r) {
+            const float qh = queries[(block + r) * H + h];
 #pragma omp simd
-          for (int j = 0; j < kTile; ++j) scores[r][j] += qh * kt[j];
+            for (int j = 0; j < kTile; ++j) scores[r][j] += qh * kt[j];
+          }
+        }
+      } else {
+        for (int r = 0; r < rows; ++r) {
+          int from, to;
+          if (!seen(block + r, tile_start, width, &from, &to)) continue;
+          const float* qi = queries + (block + r) * H;
+          for (int j = from; j < to; ++j) {
+            const float* kj = keys + j * H;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t h = 0; h < H; ++h) dot += qi[h] * kj[h];
+            scores[r][j] = dot;
+          }
         }
       }
-      for (int r = 0; r < rows; ++r) {
-        int from, to;
-        if (seen(block + r, tile_start, width, &from, &to)) absorb(block + r, scores[r], from, to);
-      }
+      absorb_block(block, rows, scores, tile_start, width);
     }
   }
   for (int i = 0; i < num_queries; ++i) {
