@@ -9,7 +9,7 @@
 // machine's bandwidth (a library call per product, one thread for a small one).
 //
 // Work items: disjoint ranges of weight rows (output features), spread over XLA's intra-op
-// thread pool for a large W (kParallelBytes), so every core streams its own part of W, each
+// thread pool for a large W (parallel_bytes), so every core streams its own part of W, each
 // weight byte read once. An item walks its rows kOutBlock at a time. The direct paths --
 // bfloat16 (vdpbf16ps), float32 (FMA), int4 in a bfloat16 product at any rows (Q4_1's
 // algebra: the 4-bit values go to vdpbf16ps as exact bfloat16 1 + q / 16, the scales and
@@ -24,7 +24,7 @@
 //            kRowTile x kOutBlock float32 vector accumulators, summed across lanes at the
 //            end of the chunk.
 // Several weights that share x (q/k/v, gate/up) go in one call, one XLA thunk: their rows
-// form one list of work items, and "a large W" (kParallelBytes) is their bytes together
+// form one list of work items, and "a large W" is their bytes together
 // reaching the call's attribute parallel_bytes (linear_cpu.PARALLEL_BYTES).
 
 #include <algorithm>

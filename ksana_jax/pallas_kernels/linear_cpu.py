@@ -43,12 +43,15 @@ _SYMBOL = "KsanaLinearCpu"
 MAX_ROWS = {"float32": 0, "bfloat16": 8, "int8": 8, "int4": 16}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 # Calls of fewer weight bytes (all of their weights together) run on the caller's thread
-# alone: on this repo's loaded 2-core machine XLA's pool threads started 0.1-10 ms after
-# being scheduled, later than a decode layer's products (10-100 us) had finished, and
-# competed with the next ones (SmolLM2 bfloat16 decode products: 15.8 ms a step on one
-# thread, 20.7 ms with the pool; int4 at 1 row: 7.5 ms on one thread, 13.1 ms with the pool
-# above 256 KB, load 5-6). benchmarks/linear_cpu.py --fused re-measures it.
-PARALLEL_BYTES = 4 << 20
+# alone: XLA's pool threads wake in microseconds on a quiet machine but started 0.1-10 ms
+# late on this repo's loaded 2-core one, after a decode layer's products (10-100 us) had
+# finished. Quiet (load 1.2-1.9), SmolLM2 bfloat16 batch-1, 4 alternating runs each
+# (benchmarks/quant.py, the jitted step alone): 10.3-11.2 ms a step at 1 MiB (q/k/v,
+# gate/up and down on both cores, the 0.66 MB output projection on the caller) vs
+# 11.2-12.5 ms at 4 MiB; loaded (load 5-10), the pool had cost more than it gave (bfloat16
+# products 15.8 ms a step on one thread, 20.7 ms with the pool; int4 7.5 vs 13.1 ms above
+# 256 KB). benchmarks/linear_cpu.py --fused re-measures it.
+PARALLEL_BYTES = 1 << 20
 # KSANA_JAX_CPU_LINEAR=0 keeps XLA's dot everywhere (a before/after comparison in one run).
 ENABLED = os.environ.get("KSANA_JAX_CPU_LINEAR", "1") != "0"
 
