@@ -14,7 +14,7 @@ import pytest
 
 from ksana_jax import quant
 from ksana_jax.models import layers
-from ksana_jax.pallas_kernels import linear_cpu
+from ksana_jax.pallas_kernels import cpu_build, linear_cpu
 
 pytestmark = pytest.mark.skipif(not linear_cpu.available(), reason="no C++ compiler")
 
@@ -162,3 +162,20 @@ def test_layers_linears_is_one_call_for_one_kind_only():
         assert f"@{linear_cpu.TARGET}(" not in hlo
     with pytest.raises(ValueError, match="one kind"):
         linear_cpu.linears(jnp.zeros((1, 64)), *mixed)
+
+
+def test_a_header_the_kernel_includes_is_part_of_its_build_key(tmp_path, monkeypatch):
+    """cpu_build keys a kernel's library by its source and the headers it includes from its
+    folder (followed through headers), so editing linear_cpu_quant.h rebuilds; a system or
+    XLA header (not in the folder) is not read."""
+    monkeypatch.setenv("KSANA_JAX_KERNEL_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a.h").write_text('#pragma once\n#include "b.h"\n')
+    (tmp_path / "b.h").write_text("int b = 1;\n")
+    source = tmp_path / "k.cc"
+    source.write_text('#include <vector>\n#include "a.h"\n#include "xla/ffi/api/ffi.h"\n')
+    assert len(cpu_build._source_bytes(source)) == 3
+    key = cpu_build._source_bytes(source)
+    (tmp_path / "b.h").write_text("int b = 2;\n")
+    assert cpu_build._source_bytes(source) != key
+    real = cpu_build._source_bytes(linear_cpu.SOURCE)
+    assert len(real) == 3  # linear_cpu.cc, linear_cpu_common.h, linear_cpu_quant.h

@@ -3,8 +3,8 @@ linear_cpu.cc) at first use.
 
 A kernel's source is compiled with the system C++ compiler (`$CXX`, default `g++`; flags
 `-O3 -march=native -fopenmp-simd`, no OpenMP runtime) into ~/.cache/ksana-jax/kernels (or
-$KSANA_JAX_KERNEL_CACHE), keyed by the source, the compiler command, jaxlib's version and
-the machine, so a machine builds each kernel once.
+$KSANA_JAX_KERNEL_CACHE), keyed by the source and the headers it includes from its folder,
+the compiler command, jaxlib's version and the machine, so a machine builds each kernel once.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shlex
 import subprocess
 import tempfile
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import jax
 import jaxlib
+
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
 def _cache_dir() -> Path:
@@ -45,13 +48,28 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _source_bytes(source: Path) -> list[bytes]:
+    """The bytes of `source` and of every header it includes from its own folder
+    (`#include "name"`, followed through those headers), so editing a header rebuilds."""
+    parts, seen, todo = [], set(), [source]
+    while todo:
+        path = todo.pop(0)
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        text = path.read_bytes()
+        parts.append(text)
+        todo += [source.parent / name.decode() for name in _LOCAL_INCLUDE.findall(text)]
+    return parts
+
+
 @functools.cache
 def library_path(source: Path) -> Path:
     """The compiled library of the kernel source `source` (a .cc file), built now if this
     machine has not built it yet. Raises RuntimeError with the compiler's output when the
     build fails."""
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(_compile_command(Path("x"), Path("y"))).encode()):
+    for part in (*_source_bytes(source), " ".join(_compile_command(Path("x"), Path("y"))).encode()):
         key.update(part)
     key.update(f"{jaxlib.__version__} {platform.machine()} {_cpu_flags()}".encode())
     path = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -1,0 +1,117 @@
+// Shared by linear_cpu.cc and linear_cpu_quant.h (one translation unit: linear_cpu.cc
+// includes both): constants, vector types and conversions, and the Problem one weight of a
+// call is. cpu_build.py's cache key covers the headers a kernel source includes.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif  // vdpbf16ps needs -march with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids)
+
+namespace ksana_linear_cpu {
+
+
+constexpr int kLanes = 16;     // floats per vector (one AVX-512 register, two AVX2 ones)
+constexpr int kOutBlock = 4;   // weight rows per register tile
+// The direct paths prefetch the weight rows this far ahead (a prefetch past W's end is
+// dropped: it does not fault).
+constexpr int kPrefetchRows = 2 * kOutBlock;
+constexpr int kChunk = 512;    // columns dequantized at a time (a multiple of 32)
+#if defined(__AVX512F__)
+constexpr int kRowTile = 4;    // x rows per register tile: 16 accumulators of 32 registers
+#else
+constexpr int kRowTile = 2;    // 16 registers (AVX2): 8 accumulators of 2 registers each
+#endif
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu32 __attribute__((vector_size(64)));
+typedef int32_t vi32 __attribute__((vector_size(64)));
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef int8_t vi8 __attribute__((vector_size(16)));
+typedef uint8_t vu8 __attribute__((vector_size(16)));
+
+template <typename V>
+inline V load(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
+
+// 16 bytes to 16 floats. GCC 12 widens byte vectors element by element, so by intrinsics.
+template <bool kSigned>
+inline vf bytes_to_float(const void* p) {
+  vf f;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  const __m512i i = kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  const __m512 v = _mm512_cvtepi32_ps(i);
+  std::memcpy(&f, &v, sizeof(vf));
+#else
+  for (int i = 0; i < kLanes; ++i)
+    f[i] = kSigned ? static_cast<const int8_t*>(p)[i] : static_cast<const uint8_t*>(p)[i];
+#endif
+  return f;
+}
+
+inline float bits_to_f32(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA's convert
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+inline vf round_to_bf16(vf v) {  // to nearest even, kept in float32
+  vu32 bits;
+  std::memcpy(&bits, &v, sizeof(vf));
+  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
+  std::memcpy(&v, &bits, sizeof(vf));
+  return v;
+}
+
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  if (exponent == 0x1f) return bits_to_f32(sign | 0x7f800000 | (mantissa << 13));
+  if (exponent != 0) return bits_to_f32(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  const float value = static_cast<float>(mantissa) * (1.0f / 16777216.0f);  // subnormal
+  return sign ? -value : value;
+}
+
+enum class Kind { kF32, kBF16, kInt8, kInt4 };
+
+struct Problem {
+  const float* x;  // [R, x_stride]: x, or a copy padded with zeros to a multiple of kLanes
+  int64_t x_stride;
+  const uint16_t* x_bf16;  // [R, x_bf16_stride]: x in bfloat16 (bfloat16 weights, kDotBF16)
+  int64_t x_bf16_stride;   // int4: columns [k..k+63] stored as k..k+15, k+32..k+47, k+16..k+31,
+                           // k+48..k+63 (the nibbles' order, tile_dot_int4_bf16), 0-padded
+  const float* x_sum;      // int4, bfloat16 product: [R, x_sum_stride] x_bf16's sum per group
+  int64_t x_sum_stride;
+  int64_t rows, in, out;  // R, I, O
+  int64_t weight_bytes;    // of W (and its scales)
+  Kind kind;
+  const char* w;
+  const void* scales;  // [O, G] float32 or float16 (int8, int4)
+  const void* mins;    // [O, I/32] (int4)
+  bool scales_f16, mins_f16;
+  bool bf16;  // the product is bfloat16's: x and dequantized weights rounded to bfloat16
+  int64_t groups;  // G
+  const int32_t* vector_group;  // int8: the group of each 16 columns (one past the end too)
+  float* y;        // [R, O]
+};
+
+inline float scale_at(const void* p, bool f16, int64_t i) {
+  return f16 ? f16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+}  // namespace ksana_linear_cpu

@@ -1,0 +1,256 @@
+// linear_cpu.cc's direct paths for quantized weights: int8 (and int4 in a float32 product)
+// dequantized in registers at up to kRowTile rows, and int4 in a bfloat16 product by Q4_1's
+// algebra at any rows with the x it reads (prepare_int4_x). See linear_cpu.cc's header.
+#pragma once
+
+#include <vector>
+
+#include "linear_cpu_common.h"
+
+namespace ksana_linear_cpu {
+
+#if defined(__AVX512BF16__)
+constexpr bool kDirectQuant = true;
+
+inline float scale_value(const void* p, bool f16, int64_t i) {
+  return f16 ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+// int8 weights (and int4 in a float32 product) at up to kRowTile rows of x: each 32 columns
+// of the block's weight rows are dequantized in registers (widened to float32, times the
+// scale, plus the minimum for int4) and multiplied there -- for a bfloat16 product rounded to bfloat16 (vcvtne2ps2bf16,
+// to nearest even as XLA's convert) and multiplied by vdpbf16ps, else by float32 FMAs. No
+// scratch: the weight bytes are read once and touch no memory but the registers, so the
+// product streams half (int8) or a quarter (int4) of bfloat16's bytes at the same speed.
+// Groups of int8 scales are whole vectors of 16 columns, int4's are the 32 of a step.
+template <int RT, Kind K, bool kBF16>
+void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  int64_t rows[kOutBlock];
+  for (int j = 0; j < kOutBlock; ++j) rows[j] = o + (j < block ? j : 0);
+  __m512 sums[RT][kOutBlock];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
+  float s[kOutBlock][2];    // int8: the scales of this step's two vectors of 16 columns
+  int32_t g[2] = {-1, -1};  // and their groups
+  for (int64_t k = 0; k < pb.in; k += 32) {
+    __m512 lo[kOutBlock], hi[kOutBlock];  // columns k..k+15 and k+16..k+31
+    if constexpr (K == Kind::kInt8) {
+      for (int h = 0; h < 2; ++h) {
+        const int32_t group = pb.vector_group[k / 16 + h];
+        if (group == g[h]) continue;
+        g[h] = group;
+        for (int j = 0; j < kOutBlock; ++j)
+          s[j][h] = scale_value(pb.scales, pb.scales_f16, rows[j] * pb.groups + group);
+      }
+      const int64_t left = pb.in - k;
+      const __mmask16 m_lo = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+      const __mmask16 m_hi =
+          left >= 32 ? 0xffff : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+      for (int j = 0; j < kOutBlock; ++j) {
+        const int8_t* w = reinterpret_cast<const int8_t*>(pb.w) + rows[j] * pb.in + k;
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * pb.in), _MM_HINT_T0);
+        // Masked loads only at the tail: from memory they were ~10x slower here.
+        const __m128i b_lo = left >= 32 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w))
+                                        : _mm_maskz_loadu_epi8(m_lo, w);
+        const __m128i b_hi = left >= 32
+                                 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))
+                                 : _mm_maskz_loadu_epi8(m_hi, w + 16);
+        lo[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b_lo)),
+                              _mm512_set1_ps(s[j][0]));
+        hi[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b_hi)),
+                              _mm512_set1_ps(s[j][1]));
+      }
+    } else {  // int4: I % 32 == 0, one group a step (GGUF Q4_1's nibbles, see the top)
+      const __m128i low4 = _mm_set1_epi8(0xF);
+      for (int j = 0; j < kOutBlock; ++j) {
+        const int64_t gi = rows[j] * pb.groups + k / 32;
+        const __m512 sc = _mm512_set1_ps(scale_value(pb.scales, pb.scales_f16, gi));
+        const __m512 mn = _mm512_set1_ps(scale_value(pb.mins, pb.mins_f16, gi));
+        const uint8_t* w = reinterpret_cast<const uint8_t*>(pb.w) + (rows[j] * pb.in + k) / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * pb.in / 2), _MM_HINT_T0);
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+        const __m128i q_lo = _mm_and_si128(b, low4);
+        const __m128i q_hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+        lo[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_lo)), sc, mn);
+        hi[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q_hi)), sc, mn);
+      }
+    }
+    if constexpr (kBF16) {
+      for (int j = 0; j < kOutBlock; ++j) {
+        const __m512bh w = _mm512_cvtne2ps_pbh(hi[j], lo[j]);
+        for (int r = 0; r < RT; ++r) {
+          const __m512i xv = _mm512_loadu_si512(pb.x_bf16 + r * pb.x_bf16_stride + k);
+          sums[r][j] = _mm512_dpbf16_ps(sums[r][j], (__m512bh)xv, w);
+        }
+      }
+    } else {
+      for (int r = 0; r < RT; ++r) {
+        const __m512 x_lo = _mm512_loadu_ps(pb.x + r * pb.x_stride + k);
+        const __m512 x_hi = _mm512_loadu_ps(pb.x + r * pb.x_stride + k + 16);
+        for (int j = 0; j < kOutBlock; ++j)
+          sums[r][j] = _mm512_fmadd_ps(x_hi, hi[j], _mm512_fmadd_ps(x_lo, lo[j], sums[r][j]));
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) acc[r * kOutBlock + j] = _mm512_reduce_add_ps(sums[r][j]);
+}
+
+// int4 weights in a bfloat16 product, at any rows, by Q4_1's algebra: over a group,
+//     x . (d q + m) = 16 d (x . (1 + q / 16)) + (m - 16 d) sum(x),
+// with sum(x) per group of each row of x computed once per call (Problem::x_sum, of x as
+// rounded to bfloat16). 1 + q / 16 is exact in bfloat16: its bits are 0x3F80 | q << 3, so a
+// shift and a vpternlogd ((w << 3) & 0x78 | 0x3F80) after vpmovzxbw of a pair of groups' 32
+// bytes give their 32 low-nibble weights, (w >> 1) & 0x78 | 0x3F80 the 32 high ones, ready
+// for vdpbf16ps -- no float conversion, scaling or rounding of the weights (more exact than
+// dequantizing to bfloat16 first). The offset 1 (not 128 + q, bits 0x4300 | q, one op less)
+// keeps the cancellation against (m - 16 d) sum(x) small: 6-8x smaller errors, within 2-5x
+// a float32 dot's, at the same speed within this machine's noise. x_bf16 is permuted per 64
+// columns (Problem) to line up: lanes 0-7 of the dot's sums are the first group's, 8-15 the
+// second's, multiplied by [16 d_g x8, 16 d_g+1 x8] (a vpermps of 16 groups' scales) into the
+// accumulators. The (m - 16 d) sum(x) terms go into the same accumulators, 16 groups a vector.
+inline __m512 load_groups(const void* p, bool f16, int64_t i, __mmask16 mask) {
+  if (f16) {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + i;
+    return _mm512_cvtph_ps(mask == 0xffff ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))
+                                          : _mm256_maskz_loadu_epi16(mask, h));
+  }
+  const float* f = static_cast<const float*>(p) + i;
+  return mask == 0xffff ? _mm512_loadu_ps(f) : _mm512_maskz_loadu_ps(mask, f);
+}
+
+template <int RT>
+void tile_dot_int4_bf16(const Problem& pb, int64_t r0, const int64_t* rows, float* acc) {
+  __m512 sums[RT][kOutBlock];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
+  const uint8_t* w[kOutBlock];
+  for (int j = 0; j < kOutBlock; ++j) w[j] = reinterpret_cast<const uint8_t*>(pb.w) + rows[j] * pb.in / 2;
+  const uint16_t* x = pb.x_bf16 + r0 * pb.x_bf16_stride;
+  const float* x_sum = pb.x_sum + r0 * pb.x_sum_stride;
+  const __m512i nibble = _mm512_set1_epi16(0x78), one = _mm512_set1_epi16(0x3F80);
+  const int64_t ahead = kPrefetchRows * pb.in / 2;
+  for (int64_t c = 0; c < pb.groups; c += 16) {  // 16 groups (512 columns) at a time
+    const int64_t left = pb.groups - c;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    __m512 d[kOutBlock];
+    for (int j = 0; j < kOutBlock; ++j) {
+      const int64_t gi = rows[j] * pb.groups + c;
+      d[j] = load_groups(pb.scales, pb.scales_f16, gi, mask);
+      const __m512 m = load_groups(pb.mins, pb.mins_f16, gi, mask);
+      const __m512 offset = _mm512_fmadd_ps(d[j], _mm512_set1_ps(-16.0f), m);
+      d[j] = _mm512_mul_ps(d[j], _mm512_set1_ps(16.0f));
+      for (int r = 0; r < RT; ++r)
+        sums[r][j] = _mm512_fmadd_ps(offset, _mm512_loadu_ps(x_sum + r * pb.x_sum_stride + c),
+                                     sums[r][j]);
+    }
+    const int64_t pairs = left >= 16 ? 8 : (left + 1) / 2;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t k = (c + 2 * p) * 32;  // the pair's first column
+      const bool both = c + 2 * p + 1 < pb.groups;
+      const __m512i idx = _mm512_set_epi32(2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                           2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                           2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p);
+      __m512i x_lo[RT], x_hi[RT];
+      for (int r = 0; r < RT; ++r) {
+        x_lo[r] = _mm512_loadu_si512(x + r * pb.x_bf16_stride + k);
+        x_hi[r] = _mm512_loadu_si512(x + r * pb.x_bf16_stride + k + 32);
+      }
+      for (int j = 0; j < kOutBlock; ++j) {
+        const uint8_t* b = w[j] + k / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(b + ahead), _MM_HINT_T0);
+        const __m256i bytes =
+            both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))
+                 : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+        const __m512i w16 = _mm512_cvtepu8_epi16(bytes);
+        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi16(w16, 3), nibble, one, 0xEA);
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w16, 1), nibble, one, 0xEA);
+        const __m512 scale = _mm512_permutexvar_ps(idx, d[j]);
+        for (int r = 0; r < RT; ++r) {
+          __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)x_lo[r], (__m512bh)lo);
+          dot = _mm512_dpbf16_ps(dot, (__m512bh)x_hi[r], (__m512bh)hi);
+          sums[r][j] = _mm512_fmadd_ps(dot, scale, sums[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j)
+      acc[(r0 + r) * kOutBlock + j] = _mm512_reduce_add_ps(sums[r][j]);
+}
+
+inline void block_int4_bf16(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  int64_t rows[kOutBlock];  // rows past the block repeat its first (unused sums)
+  for (int j = 0; j < kOutBlock; ++j) rows[j] = o + (j < block ? j : 0);
+  int64_t r = 0;
+  for (; r + 4 <= pb.rows; r += 4) tile_dot_int4_bf16<4>(pb, r, rows, acc);
+  switch (pb.rows - r) {
+    case 3: tile_dot_int4_bf16<3>(pb, r, rows, acc); break;
+    case 2: tile_dot_int4_bf16<2>(pb, r, rows, acc); break;
+    case 1: tile_dot_int4_bf16<1>(pb, r, rows, acc); break;
+  }
+}
+
+template <Kind K, bool kBF16>
+void block_quant_rows(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  switch (pb.rows) {
+    case 4: tile_dot_quant<4, K, kBF16>(pb, o, block, acc); break;
+    case 3: tile_dot_quant<3, K, kBF16>(pb, o, block, acc); break;
+    case 2: tile_dot_quant<2, K, kBF16>(pb, o, block, acc); break;
+    default: tile_dot_quant<1, K, kBF16>(pb, o, block, acc); break;
+  }
+}
+
+inline void block_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  if (pb.kind == Kind::kInt8) {
+    if (pb.bf16) block_quant_rows<Kind::kInt8, true>(pb, o, block, acc);
+    else block_quant_rows<Kind::kInt8, false>(pb, o, block, acc);
+  } else if (pb.bf16) {
+    block_int4_bf16(pb, o, block, acc);
+  } else {
+    block_quant_rows<Kind::kInt4, false>(pb, o, block, acc);
+  }
+}
+#else
+constexpr bool kDirectQuant = false;
+inline void block_quant(const Problem&, int64_t, int64_t, float*) {}
+#endif
+
+// x for tile_dot_int4_bf16: rounded to bfloat16 (vcvtne2ps2bf16: to nearest even, as XLA's
+// convert), permuted and padded with zeros to whole 16 groups (Problem::x_bf16), and its sums
+// per group of 32 columns (Problem::x_sum). I % 32 == 0: a step of 64 has one or two groups.
+inline void prepare_int4_x(const float* x, Problem& pb, std::vector<uint16_t>& x_bf16,
+                    std::vector<float>& x_sum) {
+#if defined(__AVX512BF16__)
+  pb.x_sum_stride = (pb.groups + 15) / 16 * 16;
+  pb.x_bf16_stride = pb.x_sum_stride * 32;
+  x_bf16.assign(pb.rows * pb.x_bf16_stride, 0);
+  x_sum.assign(pb.rows * pb.x_sum_stride, 0.0f);
+  auto widen = [](__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); };
+  for (int64_t r = 0; r < pb.rows; ++r) {
+    const float* src = x + r * pb.in;
+    uint16_t* dst = x_bf16.data() + r * pb.x_bf16_stride;
+    float* sums = x_sum.data() + r * pb.x_sum_stride;
+    for (int64_t k = 0; k < pb.in; k += 64) {
+      const bool both = k + 32 < pb.in;
+      const __m512 zero = _mm512_setzero_ps();
+      const __m512 a = _mm512_loadu_ps(src + k), b = _mm512_loadu_ps(src + k + 16);
+      const __m512 c = both ? _mm512_loadu_ps(src + k + 32) : zero;
+      const __m512 d = both ? _mm512_loadu_ps(src + k + 48) : zero;
+      const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(c, a);  // [a, c]
+      const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(d, b);  // [b, d]
+      _mm512_storeu_si512(dst + k, lo);
+      _mm512_storeu_si512(dst + k + 32, hi);
+      sums[k / 32] = _mm512_reduce_add_ps(_mm512_add_ps(widen(_mm512_castsi512_si256(lo)),
+                                                        widen(_mm512_castsi512_si256(hi))));
+      if (both)
+        sums[k / 32 + 1] = _mm512_reduce_add_ps(_mm512_add_ps(
+            widen(_mm512_extracti64x4_epi64(lo, 1)), widen(_mm512_extracti64x4_epi64(hi, 1))));
+    }
+  }
+  pb.x_bf16 = x_bf16.data();
+  pb.x_sum = x_sum.data();
+#endif
+}
+
+}  // namespace ksana_linear_cpu
