@@ -166,7 +166,7 @@ def test_layers_linears_is_one_call_for_one_kind_only():
 
 def test_a_header_the_kernel_includes_is_part_of_its_build_key(tmp_path, monkeypatch):
     """cpu_build keys a kernel's library by its source and the headers it includes from its
-    folder (followed through headers), so editing linear_cpu_quant.h rebuilds; a system or
+    folder (followed through headers), so editing cpu_pool.h rebuilds; a system or
     XLA header (not in the folder) is not read."""
     monkeypatch.setenv("KSANA_JAX_KERNEL_CACHE", str(tmp_path / "cache"))
     (tmp_path / "a.h").write_text('#pragma once\n#include "b.h"\n')
@@ -178,4 +178,4 @@ def test_a_header_the_kernel_includes_is_part_of_its_build_key(tmp_path, monkeyp
     (tmp_path / "b.h").write_text("int b = 2;\n")
     assert cpu_build._source_bytes(source) != key
     real = cpu_build._source_bytes(linear_cpu.SOURCE)
-    assert len(real) == 3  # linear_cpu.cc, linear_cpu_common.h, linear_cpu_quant.h
+    assert len(real) == 4  # linear_cpu.cc, cpu_pool.h, linear_cpu_common.h, linear_cpu_quant.h

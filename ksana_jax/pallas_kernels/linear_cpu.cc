@@ -28,13 +28,11 @@
 // reaching the call's attribute parallel_bytes (linear_cpu.PARALLEL_BYTES).
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "linear_cpu_common.h"
 #include "linear_cpu_quant.h"
 #include "xla/ffi/api/ffi.h"
@@ -277,18 +275,9 @@ struct Item {
   int64_t p, begin, end;
 };
 
-// Runs every item on the caller and the pool's threads (as ragged_paged_attention_cpu.cc).
-// A pool task may start only after the caller has returned: it then finds no item left (the
-// items live in `state`, which it co-owns) and touches nothing else.
-struct SharedState {
-  explicit SharedState(std::vector<Item> all) : items(std::move(all)) {}
-  const std::vector<Item> items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> active{0};
-};
-
 // The problems of one call (weights sharing x) stream as one: items over their concatenated
-// output rows, parallel when all their weight bytes together reach `parallel_bytes`.
+// output rows, parallel (cpu_pool.h) when all their weight bytes together reach
+// `parallel_bytes`.
 void run_items(ffi::ThreadPool& pool, const std::vector<Problem>& problems,
                int64_t parallel_bytes) {
   int64_t bytes = 0, out = 0;
@@ -305,27 +294,9 @@ void run_items(ffi::ThreadPool& pool, const std::vector<Problem>& problems,
   for (size_t p = 0; p < problems.size(); ++p)
     for (int64_t o = 0; o < problems[p].out; o += rows)
       items.push_back({static_cast<int64_t>(p), o, std::min(problems[p].out, o + rows)});
-  auto state = std::make_shared<SharedState>(std::move(items));
-  const Problem* base = problems.data();
-  auto worker = [state, base]() {
-    state->active.fetch_add(1);
-    for (;;) {
-      const int64_t i = state->next.fetch_add(1);
-      if (i >= static_cast<int64_t>(state->items.size())) break;
-      const Item& item = state->items[i];
-      run_rows(base[item.p], item.begin, item.end);
-    }
-    state->active.fetch_sub(1);
-  };
-  const int64_t helpers =
-      std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(state->items.size()) - 1);
-  for (int64_t t = 0; t < helpers; ++t) {
-    auto task = worker;  // Schedule takes its task by value (an rvalue)
-    pool.Schedule(std::move(task));
-  }
-  worker();
-  // Every item is claimed; wait for the ones still running.
-  while (state->active.load() != 0) std::this_thread::yield();
+  ksana_cpu_pool::run_on_pool(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    run_rows(problems[items[i].p], items[i].begin, items[i].end);
+  });
 }
 
 

@@ -34,18 +34,16 @@
 // `scales` (a placeholder) and take k_new / v_new in their own dtype.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -426,16 +424,8 @@ void attend_any(const Problem& pb, const Item& item) {
   }
 }
 
-// Runs every item on the caller and the pool's threads. A pool task may start only after
-// the caller has returned: it then finds no item left (the count lives in `state`, which it
-// co-owns) and touches nothing else.
-struct SharedState {
-  explicit SharedState(int64_t n) : num_items(n) {}
-  const int64_t num_items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> active{0};
-};
-
+// Runs every item on the caller and the pool's threads (cpu_pool.h), or on the caller alone
+// for a small step.
 void run_items(ffi::ThreadPool& pool, const Problem& pb, const std::vector<Item>& items) {
   const int64_t group = pb.num_heads / pb.num_kv_heads;
   int64_t amount = 0;
@@ -444,26 +434,8 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb, const std::vector<Item>
     for (const Item& item : items) attend_any(pb, item);
     return;
   }
-  auto state = std::make_shared<SharedState>(static_cast<int64_t>(items.size()));
-  const Problem* problem = &pb;
-  const Item* work = items.data();
-  auto worker = [state, problem, work]() {
-    state->active.fetch_add(1);
-    for (;;) {
-      const int64_t i = state->next.fetch_add(1);
-      if (i >= state->num_items) break;
-      attend_any(*problem, work[i]);
-    }
-    state->active.fetch_sub(1);
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), state->num_items - 1);
-  for (int64_t t = 0; t < helpers; ++t) {
-    auto task = worker;  // Schedule takes its task by value (an rvalue)
-    pool.Schedule(std::move(task));
-  }
-  worker();
-  // Every item is claimed; wait for the ones still running.
-  while (state->active.load() != 0) std::this_thread::yield();
+  ksana_cpu_pool::run_on_pool(pool, static_cast<int64_t>(items.size()),
+                              [&](int64_t i) { attend_any(pb, items[i]); });
 }
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
