@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -153,3 +155,19 @@ def hf_logits(model, token_ids) -> np.ndarray:
 
     with torch.no_grad():
         return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
+
+
+def run_on_cpu_devices(script: str, *args: str, devices: int = 4):
+    """Runs the Python source `script` with `args` in a fresh process on `devices` forced CPU
+    devices (XLA_FLAGS must be set before JAX starts) and returns the JSON its last stdout
+    line holds; fails the test with the process's stderr if it exits non-zero."""
+    env = os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

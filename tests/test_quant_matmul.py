@@ -6,16 +6,12 @@ tests/test_gpu_aot.py's when the CUDA plugin is there)."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import write_tiny_hf
+from conftest import run_on_cpu_devices, write_tiny_hf
 
 from ksana_jax import quant
 from ksana_jax.models import layers
@@ -196,16 +192,7 @@ def test_kernels_under_tensor_parallelism_equal_one_device(tmp_path):
         head_dim=64,
         num_hidden_layers=1,
     )
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    proc = subprocess.run(
-        [sys.executable, "-c", TP_SCRIPT, str(path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_on_cpu_devices(TP_SCRIPT, str(path))
     for tp, platform, split, error in result:
         assert error < 2e-5, (tp, platform, split, error)
     ran = {(tp, platform, bool(out), bool(inp)) for tp, platform, (out, inp), _ in result}

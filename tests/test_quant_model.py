@@ -4,11 +4,12 @@ its float model, the engine with `quantization=`, the bytes the params take."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_VOCAB, write_tiny_hf
+from conftest import TINY_VOCAB, run_on_cpu_devices, write_tiny_hf
 from workloads import record_compilations, run_varied_workload
 
 import ksana_jax
@@ -149,28 +150,9 @@ print(json.dumps(result))
 def test_tensor_parallel_int4_equals_one_device(tiny_dir, tmp_path):
     """tp=2 and 4 on forced CPU devices: the packed arrays and their scales shard like the
     matrices (scales along the same out axis), and the logits equal tp=1's."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            TP_SCRIPT,
-            str(tiny_dir),
-            str(tmp_path / "ckpt"),
-            json.dumps(TOKENS),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = run_on_cpu_devices(
+        TP_SCRIPT, str(tiny_dir), str(tmp_path / "ckpt"), json.dumps(TOKENS)
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
     want = np.asarray(result["load1"][0])
     for key, (logits, _) in result.items():
         np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-5, err_msg=key)
