@@ -158,8 +158,7 @@ void tile_dot_bf16(const Problem& pb, int64_t r0, const uint16_t* const* w, floa
         sums[r][j] = _mm512_dpbf16_ps(sums[r][j], (__m512bh)xv, (__m512bh)wv[j]);
     }
   }
-  for (int r = 0; r < RT; ++r)
-    for (int j = 0; j < kOutBlock; ++j) acc[(r0 + r) * kOutBlock + j] = _mm512_reduce_add_ps(sums[r][j]);
+  store_lane_sums<RT * kOutBlock>(&sums[0][0], acc + r0 * kOutBlock);
 }
 
 void block_bf16(const Problem& pb, int64_t o, int64_t block, float* acc) {
@@ -202,9 +201,7 @@ void tile_dot_f32(const Problem& pb, int64_t r0, const float* const* w, float* a
       for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_fmadd_ps(xv, wv[j], sums[r][j]);
     }
   }
-  for (int r = 0; r < RT; ++r)
-    for (int j = 0; j < kOutBlock; ++j)
-      acc[(r0 + r) * kOutBlock + j] = _mm512_reduce_add_ps(sums[r][j]);
+  store_lane_sums<RT * kOutBlock>(&sums[0][0], acc + r0 * kOutBlock);
 }
 
 void block_f32(const Problem& pb, int64_t o, int64_t block, float* acc) {
@@ -294,7 +291,10 @@ void run_items(ffi::ThreadPool& pool, const std::vector<Problem>& problems,
   for (size_t p = 0; p < problems.size(); ++p)
     for (int64_t o = 0; o < problems[p].out; o += rows)
       items.push_back({static_cast<int64_t>(p), o, std::min(problems[p].out, o + rows)});
-  ksana_cpu_pool::run_on_pool(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+  // Spinning for the next call: the kernel serves decode's few rows, where the products
+  // follow each other with only small single-threaded thunks between them.
+  ksana_cpu_pool::run_on_pool(pool, static_cast<int64_t>(items.size()), /*spin=*/true,
+                              [&](int64_t i) {
     run_rows(problems[items[i].p], items[i].begin, items[i].end);
   });
 }

@@ -92,8 +92,7 @@ void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
       }
     }
   }
-  for (int r = 0; r < RT; ++r)
-    for (int j = 0; j < kOutBlock; ++j) acc[r * kOutBlock + j] = _mm512_reduce_add_ps(sums[r][j]);
+  store_lane_sums<RT * kOutBlock>(&sums[0][0], acc);
 }
 
 // int4 weights in a bfloat16 product, at any rows, by Q4_1's algebra: over a group,
@@ -174,9 +173,7 @@ void tile_dot_int4_bf16(const Problem& pb, int64_t r0, const int64_t* rows, floa
       }
     }
   }
-  for (int r = 0; r < RT; ++r)
-    for (int j = 0; j < kOutBlock; ++j)
-      acc[(r0 + r) * kOutBlock + j] = _mm512_reduce_add_ps(sums[r][j]);
+  store_lane_sums<RT * kOutBlock>(&sums[0][0], acc + r0 * kOutBlock);
 }
 
 inline void block_int4_bf16(const Problem& pb, int64_t o, int64_t block, float* acc) {
