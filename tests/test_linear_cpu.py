@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_on_cpu_devices
 
 from ksana_jax import quant
 from ksana_jax.models import layers
@@ -179,3 +180,42 @@ def test_a_header_the_kernel_includes_is_part_of_its_build_key(tmp_path, monkeyp
     assert cpu_build._source_bytes(source) != key
     real = cpu_build._source_bytes(linear_cpu.SOURCE)
     assert len(real) == 4  # linear_cpu.cc, cpu_pool.h, linear_cpu_common.h, linear_cpu_quant.h
+
+
+POOL_SCRIPT = """
+import ctypes, json, os, sys
+import jax, jax.numpy as jnp, numpy as np
+from ksana_jax.pallas_kernels import cpu_build, linear_cpu, ragged_paged_attention_cpu
+linear_cpu.PARALLEL_BYTES = 0  # every call shares its work
+rng = np.random.default_rng(0)
+weights = [jnp.asarray(rng.standard_normal((out, 100)), jnp.bfloat16) for out in (33, 7, 130)]
+error = 0.0
+for rows in (1, 5, 16):
+    x = rng.standard_normal((rows, 100)).astype(np.float32)
+    x_bf16 = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+    for y, w in zip(jax.jit(linear_cpu.linears)(jnp.asarray(x), *weights), weights):
+        want = x_bf16 @ np.asarray(w, np.float64).T
+        error = max(error, float(np.max(np.abs(np.asarray(y) - want)) / np.max(np.abs(want))))
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+ragged_paged_attention_cpu.available()  # loads the attention kernel's library too
+symbol = "_ZZN14ksana_cpu_pool8SpinPool3getEvE4pool"  # SpinPool::get()'s static
+libraries = [ctypes.CDLL(str(cpu_build.library_path(m.SOURCE)))
+             for m in (linear_cpu, ragged_paged_attention_cpu)]
+addresses = {ctypes.addressof(ctypes.c_void_p.in_dll(lib, symbol)) for lib in libraries}
+print(json.dumps({"error": error, "pool_threads": names.count("ksana-cpu-pool"),
+                  "cores": len(os.sched_getaffinity(0)), "pools": len(addresses)}))
+"""
+
+
+@pytest.mark.parametrize("spin_us", ["300", "0"])
+def test_work_sharing_gives_the_reference_on_either_pool_and_one_pool_serves_both_kernels(
+    spin_us, monkeypatch
+):
+    """cpu_pool.h: with every call parallel, the products equal the float64 reference on the
+    kernels' own spinning pool (one thread per core but the caller's) and on XLA's pool
+    (KSANA_JAX_CPU_SPIN_US=0, no thread of its own); both kernels' libraries bind one pool."""
+    monkeypatch.setenv("KSANA_JAX_CPU_SPIN_US", spin_us)
+    result = run_on_cpu_devices(POOL_SCRIPT, devices=1)
+    assert result["error"] < 1e-5, result
+    assert result["pool_threads"] == (result["cores"] - 1 if spin_us != "0" else 0), result
+    assert result["pools"] == 1, result

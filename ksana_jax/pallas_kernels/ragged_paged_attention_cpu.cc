@@ -434,7 +434,9 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb, const std::vector<Item>
     for (const Item& item : items) attend_any(pb, item);
     return;
   }
-  ksana_cpu_pool::run_on_pool(pool, static_cast<int64_t>(items.size()),
+  // No spinning after it: at the rows that make attention parallel, XLA's multithreaded
+  // dots come next (cpu_pool.h).
+  ksana_cpu_pool::run_on_pool(pool, static_cast<int64_t>(items.size()), /*spin=*/false,
                               [&](int64_t i) { attend_any(pb, items[i]); });
 }
 
