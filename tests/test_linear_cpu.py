@@ -151,7 +151,8 @@ def test_layers_linears_is_one_call_for_one_kind_only():
     rng = np.random.default_rng(4)
     same = [weight(rng, "bfloat16", out, 64) for out in (64, 16, 16)]
     mixed = [weight(rng, "bfloat16", 64, 64), weight(rng, "int8_bf16", 16, 64)]
-    for weights, rows, calls in ((same, 1, 1), (same, 9, 0), (mixed, 1, 2)):
+    past = linear_cpu.MAX_ROWS["bfloat16"] + 1
+    for weights, rows, calls in ((same, 1, 1), (same, past, 0), (mixed, 1, 2)):
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
         hlo = jax.jit(layers.linears).lower(x, *weights).as_text()
         assert hlo.count(f"@{linear_cpu.TARGET}(") == calls, (rows, calls)

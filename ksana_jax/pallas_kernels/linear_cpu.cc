@@ -158,7 +158,7 @@ void tile_dot_bf16(const Problem& pb, int64_t r0, const uint16_t* const* w, floa
         sums[r][j] = _mm512_dpbf16_ps(sums[r][j], (__m512bh)xv, (__m512bh)wv[j]);
     }
   }
-  store_lane_sums<RT * kOutBlock>(&sums[0][0], acc + r0 * kOutBlock);
+  store_lane_sums(sums, acc + r0 * kOutBlock);
 }
 
 void block_bf16(const Problem& pb, int64_t o, int64_t block, float* acc) {
@@ -201,7 +201,7 @@ void tile_dot_f32(const Problem& pb, int64_t r0, const float* const* w, float* a
       for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_fmadd_ps(xv, wv[j], sums[r][j]);
     }
   }
-  store_lane_sums<RT * kOutBlock>(&sums[0][0], acc + r0 * kOutBlock);
+  store_lane_sums(sums, acc + r0 * kOutBlock);
 }
 
 void block_f32(const Problem& pb, int64_t o, int64_t block, float* acc) {

@@ -92,7 +92,7 @@ void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
       }
     }
   }
-  store_lane_sums<RT * kOutBlock>(&sums[0][0], acc);
+  store_lane_sums(sums, acc);
 }
 
 // int4 weights in a bfloat16 product, at any rows, by Q4_1's algebra: over a group,
@@ -173,7 +173,7 @@ void tile_dot_int4_bf16(const Problem& pb, int64_t r0, const int64_t* rows, floa
       }
     }
   }
-  store_lane_sums<RT * kOutBlock>(&sums[0][0], acc + r0 * kOutBlock);
+  store_lane_sums(sums, acc + r0 * kOutBlock);
 }
 
 inline void block_int4_bf16(const Problem& pb, int64_t o, int64_t block, float* acc) {
