@@ -115,8 +115,8 @@ class SpinPool {
     uint64_t seen = generation_.load();
     for (;;) {
       uint64_t g = generation_.load(std::memory_order_acquire);
-      const auto until = std::chrono::steady_clock::now() +
-                         std::chrono::nanoseconds(spin_.load(std::memory_order_relaxed) ? spin_ns_ : 0);
+      const int64_t budget = spin_.load(std::memory_order_relaxed) ? spin_ns_ : 0;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(budget);
       while (g == seen) {
         for (int i = 0; i < 64 && g == seen; ++i) {
           cpu_relax();
@@ -151,10 +151,10 @@ class SpinPool {
 
 // Calls run(i) for every i in [0, n) on the caller and other threads (SpinPool's, or up to
 // n - 1 of XLA's pool's when it is off or busy), each thread claiming the next unclaimed i,
-// and returns when all have finished; `spin` as SpinPool::try_run's. An XLA pool task may start only after the caller has
-// returned: it then finds no item left (the count lives in `state`, which it co-owns) and
-// touches nothing else -- run, which may refer to the caller's data, is called only for
-// claimed items, all of which finish before the return.
+// and returns when all have finished; `spin` as SpinPool::try_run's. An XLA pool task may
+// start only after the caller has returned: it then finds no item left (the count lives in
+// `state`, which it co-owns) and touches nothing else -- run, which may refer to the
+// caller's data, is called only for claimed items, all of which finish before the return.
 template <typename Run>
 void run_on_pool(xla::ffi::ThreadPool& pool, int64_t n, bool spin, Run run) {
   SpinPool& spin_pool = SpinPool::get();

@@ -413,8 +413,7 @@ ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
     pb.x_bf16_stride = (pb.in + 31) / 32 * 32;
     x_bf16.assign(pb.rows * pb.x_bf16_stride, 0);
     for (int64_t r = 0; r < pb.rows; ++r)
-      for (int64_t k = 0; k < pb.in; ++k)
-        x_bf16[r * pb.x_bf16_stride + k] = f32_to_bf16(x.typed_data()[r * pb.in + k]);
+      to_bf16(x.typed_data() + r * pb.in, pb.in, x_bf16.data() + r * pb.x_bf16_stride);
     pb.x_bf16 = x_bf16.data();
   } else if (pb.in % (2 * kLanes) == 0 && !round_x) {
     pb.x = x.typed_data();

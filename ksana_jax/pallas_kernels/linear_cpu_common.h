@@ -70,6 +70,26 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as XLA's conve
   return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
+// n floats to bfloat16, to nearest even (vcvtne2ps2bf16 where the CPU has it: 32 a step,
+// where one call's x of 16 rows converted element by element took ~10% of the product).
+inline void to_bf16(const float* src, int64_t n, uint16_t* dst) {
+  int64_t k = 0;
+#if defined(__AVX512BF16__)
+  for (; k < n; k += 32) {
+    const int64_t left = n - k;
+    const __mmask16 lo = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 hi =
+        left >= 32 ? 0xffff : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+    const __mmask32 both =
+        left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << left) - 1);
+    const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, src + k + 16),
+                                              _mm512_maskz_loadu_ps(lo, src + k));
+    _mm512_mask_storeu_epi16(dst + k, both, (__m512i)pair);
+  }
+#endif
+  for (; k < n; ++k) dst[k] = f32_to_bf16(src[k]);
+}
+
 inline vf round_to_bf16(vf v) {  // to nearest even, kept in float32
   vu32 bits;
   std::memcpy(&bits, &v, sizeof(vf));
