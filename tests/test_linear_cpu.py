@@ -1,7 +1,7 @@
 """The CPU linear kernel (pallas_kernels/linear_cpu.cc) against its jnp reference
 (dequantize, then a float32 dot) for every weight format and product dtype, on random shapes
 whose O and I are not multiples of the kernel's vector width, register tile or column chunk,
-rows 1-16."""
+rows 1-33."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not linear_cpu.available(), reason="no C++ compi
 # (O, I): tails of the 16-lane vector (I), the 4-row weight block (O), the 512-column chunk.
 FLOAT_SHAPES = [(1, 1), (7, 13), (5, 100), (33, 576), (130, 1100), (64, 1536)]
 GROUPED_SHAPES = [(1, 32), (7, 96), (33, 576), (130, 1056), (13, 1536)]  # I % 32 == 0
-ROWS = [1, 2, 3, 5, 8, 16]  # register tiles of 4 rows: none, one, several, with tails
+ROWS = [1, 2, 3, 5, 8, 16, 33]  # register tiles of 4 rows: none, one, several, with tails
 
 
 def weight(rng: np.random.Generator, fmt: str, out: int, inp: int):
