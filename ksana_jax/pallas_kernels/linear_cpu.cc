@@ -165,13 +165,7 @@ void block_bf16(const Problem& pb, int64_t o, int64_t block, float* acc) {
   const uint16_t* w[kOutBlock];
   for (int j = 0; j < kOutBlock; ++j)  // rows past the block repeat its first (unused sums)
     w[j] = reinterpret_cast<const uint16_t*>(pb.w) + (o + (j < block ? j : 0)) * pb.in;
-  int64_t r = 0;
-  for (; r + 4 <= pb.rows; r += 4) tile_dot_bf16<4>(pb, r, w, acc);
-  switch (pb.rows - r) {
-    case 3: tile_dot_bf16<3>(pb, r, w, acc); break;
-    case 2: tile_dot_bf16<2>(pb, r, w, acc); break;
-    case 1: tile_dot_bf16<1>(pb, r, w, acc); break;
-  }
+  for_row_tiles(pb.rows, [&](auto rt, int64_t r) { tile_dot_bf16<rt>(pb, r, w, acc); });
 }
 #else
 constexpr bool kDotBF16 = false;
@@ -208,13 +202,7 @@ void block_f32(const Problem& pb, int64_t o, int64_t block, float* acc) {
   const float* w[kOutBlock];
   for (int j = 0; j < kOutBlock; ++j)  // rows past the block repeat its first (unused sums)
     w[j] = reinterpret_cast<const float*>(pb.w) + (o + (j < block ? j : 0)) * pb.in;
-  int64_t r = 0;
-  for (; r + 4 <= pb.rows; r += 4) tile_dot_f32<4>(pb, r, w, acc);
-  switch (pb.rows - r) {
-    case 3: tile_dot_f32<3>(pb, r, w, acc); break;
-    case 2: tile_dot_f32<2>(pb, r, w, acc); break;
-    case 1: tile_dot_f32<1>(pb, r, w, acc); break;
-  }
+  for_row_tiles(pb.rows, [&](auto rt, int64_t r) { tile_dot_f32<rt>(pb, r, w, acc); });
 }
 #else
 constexpr bool kDirectF32 = false;

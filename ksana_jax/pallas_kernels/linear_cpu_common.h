@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -150,6 +151,20 @@ __attribute__((always_inline)) inline void store_lane_sums(const __m512 (&v)[R][
   }
 }
 #endif
+
+// Calls tile(std::integral_constant<int, RT>{}, r0) over x's rows in register tiles: RT = 4
+// while 4 rows are left, then one tile of the 1-3 rows past them (RT a compile-time constant,
+// as the tiles' accumulator arrays need).
+template <typename Tile>
+inline void for_row_tiles(int64_t rows, Tile tile) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) tile(std::integral_constant<int, 4>{}, r);
+  switch (rows - r) {
+    case 3: tile(std::integral_constant<int, 3>{}, r); break;
+    case 2: tile(std::integral_constant<int, 2>{}, r); break;
+    case 1: tile(std::integral_constant<int, 1>{}, r); break;
+  }
+}
 
 enum class Kind { kF32, kBF16, kInt8, kInt4 };
 

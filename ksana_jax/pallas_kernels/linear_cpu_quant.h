@@ -179,13 +179,8 @@ void tile_dot_int4_bf16(const Problem& pb, int64_t r0, const int64_t* rows, floa
 inline void block_int4_bf16(const Problem& pb, int64_t o, int64_t block, float* acc) {
   int64_t rows[kOutBlock];  // rows past the block repeat its first (unused sums)
   for (int j = 0; j < kOutBlock; ++j) rows[j] = o + (j < block ? j : 0);
-  int64_t r = 0;
-  for (; r + 4 <= pb.rows; r += 4) tile_dot_int4_bf16<4>(pb, r, rows, acc);
-  switch (pb.rows - r) {
-    case 3: tile_dot_int4_bf16<3>(pb, r, rows, acc); break;
-    case 2: tile_dot_int4_bf16<2>(pb, r, rows, acc); break;
-    case 1: tile_dot_int4_bf16<1>(pb, r, rows, acc); break;
-  }
+  for_row_tiles(pb.rows,
+                [&](auto rt, int64_t r) { tile_dot_int4_bf16<rt>(pb, r, rows, acc); });
 }
 
 template <Kind K, bool kBF16>
