@@ -55,7 +55,6 @@ class SpinPool {
     return *pool;
   }
 
-  int64_t num_threads() const { return static_cast<int64_t>(threads_.size()); }
   bool enabled() const { return spin_ns_ > 0 && !threads_.empty(); }
 
   // Calls fn(ctx, i) for every i in [0, n) on the caller and the pool's threads; returns
