@@ -17,7 +17,7 @@ from ksana_jax.generate import generate
 from ksana_jax.llm import LLM
 from ksana_jax.model import Model, load
 from ksana_jax.outputs import CompletionOutput, RequestOutput
-from ksana_jax.sampling_params import SamplingParams, StructuredOutputsParams
+from ksana_jax.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from ksana_jax.tokenizer import Tokenizer
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "Model",
     "ModelConfig",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
     "Tokenizer",

@@ -22,7 +22,9 @@ Requests come in as text or token ids with SamplingParams; a request with n > 1 
 samples sharing one request id (with the prefix cache on, samples after the first start once
 the first has computed the prompt, and share its pages). Outputs are vLLM-shaped delta
 RequestOutputs (outputs.py) for the requests that advanced in the step: only what is new
-since the request's previous output; `LLM` and `AsyncEngine` add them up. Stop strings are
+since the request's previous output; `LLM` and `AsyncEngine` add them up. A request with
+`output_kind=FINAL_ONLY` (LLM.generate's) gets one output, when it finishes: no per-step
+output objects for a caller that waits for the end. Stop strings are
 matched on the
 detokenized text (so they may span tokens) and are cut from it; until a request finishes,
 the last characters that could still start a stop string are held back from its visible
@@ -55,7 +57,7 @@ from ksana_jax.prefix_cache import PrefixCache
 from ksana_jax.request import Request
 from ksana_jax.runner import MAX_SUPPRESSED_IDS, InFlight, ModelRunner
 from ksana_jax.sampling import SampledTokens, ScoredLogprobs
-from ksana_jax.sampling_params import SamplingParams
+from ksana_jax.sampling_params import RequestOutputKind, SamplingParams
 from ksana_jax.scheduler import Scheduler, SchedulerOutput
 from ksana_jax.spec_decode import Speculator
 from ksana_jax.step_metrics import StepTimer
@@ -78,6 +80,14 @@ class _Group:
     # the first sample's chunks score them; sent with the group's first token.
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False
+
+    @property
+    def kind(self) -> RequestOutputKind:
+        return self.samples[0].params.output_kind
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.samples)
 
 
 class _Dispatched(NamedTuple):
@@ -274,7 +284,7 @@ class LLMEngine:
         for sample in group.samples:
             if not sample.is_finished:
                 self.scheduler.finish(sample, "abort")
-        return self._output(group)
+        return self._output(group, True)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -386,18 +396,18 @@ class LLMEngine:
         A stop string ends a request at the token completing it: tokens after it (accepted
         proposals) are dropped."""
         groups: dict[str, _Group] = {}
+        stats = self.stats
         for position, request, num_new in advanced:
             group = self._groups[request.parent_id]
             groups[group.request_id] = group
             first = len(request.output_token_ids) - num_new
             if first == 0:
-                self.stats.prompt_tokens += len(request.prompt_token_ids)
+                stats.prompt_tokens += len(request.prompt_token_ids)
+            stats.generation_tokens += num_new
             if group.error is not None:
-                self.stats.generation_tokens += num_new
                 continue
             try:
                 for j in range(num_new):
-                    self.stats.generation_tokens += 1
                     index = first + j
                     stopped = self._append_token(
                         request, group.detokenizers[request.index], sampled, position + j, index
@@ -411,10 +421,13 @@ class LLMEngine:
                 for sample in group.samples:
                     if not sample.is_finished:
                         self.scheduler.finish(sample, "abort")
-        outputs = [self._output(group) for group in groups.values()]
-        for out in outputs:
-            if out.finished:
-                del self._groups[out.request_id]
+        outputs = []
+        for group in groups.values():
+            finished = group.finished
+            if finished or group.kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._output(group, finished))
+            if finished:
+                del self._groups[group.request_id]
         return outputs
 
     def _append_token(
@@ -440,7 +453,7 @@ class LLMEngine:
             entry = dict(top)
             entry[token] = float(sampled.logprobs[row])
             request.output_logprobs.append(entry)
-        request.text_offsets.append(len(detok.text))
+        request.text_offsets.append(detok.num_chars)
         if request.stopped_on_token and is_last:  # a stop token id or EOS: not in the text
             return False
         delta = detok.add(token)
@@ -462,7 +475,7 @@ class LLMEngine:
                     return True
         return False
 
-    def _output(self, group: _Group) -> RequestOutput:
+    def _output(self, group: _Group, finished: bool) -> RequestOutput:
         """The group's delta output: what each sample gained since its previous one."""
         completions = []
         for sample in group.samples:
@@ -498,7 +511,7 @@ class LLMEngine:
             prompt=group.prompt,
             prompt_token_ids=group.samples[0].prompt_token_ids,
             outputs=completions,
-            finished=all(s.is_finished for s in group.samples),
+            finished=finished,
             error=group.error,
             prompt_logprobs=prompt_logprobs,
         )

@@ -28,7 +28,7 @@ from ksana_jax.engine import LLMEngine
 from ksana_jax.model import Model, load
 from ksana_jax.outputs import RequestOutput
 from ksana_jax.sampling_defaults import sampling_defaults
-from ksana_jax.sampling_params import SamplingParams
+from ksana_jax.sampling_params import RequestOutputKind, SamplingParams
 
 # Text, token ids, or vLLM's prompt dicts {"prompt": text} / {"prompt_token_ids": ids}.
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -84,7 +84,8 @@ class LLM:
         if self.engine.runner.channel is not None:
             self.engine.runner.channel.close()
 
-    def _add(self, prompt: Prompt, params: SamplingParams | None) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams | None, kind: RequestOutputKind) -> str:
+        """Queues a prompt whose outputs come as `kind` (whatever the params say)."""
         if multihost.is_follower():
             raise RuntimeError(
                 f"process {jax.process_index()} follows process 0's steps: call follow()"
@@ -92,6 +93,8 @@ class LLM:
         request_id = f"llm-{next(self._ids)}"
         if params is None:
             params = self.get_default_sampling_params()
+        if params.output_kind is not kind:
+            params = dataclasses.replace(params, output_kind=kind)
         self.engine.add_request(request_id, _prompt_of(prompt), params)
         return request_id
 
@@ -116,7 +119,9 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        ids = [self._add(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        # vLLM's LLM.generate does the same: a request's one output comes when it finishes
+        final = RequestOutputKind.FINAL_ONLY
+        ids = [self._add(p, sp, final) for p, sp in zip(prompts, params, strict=True)]
         outputs: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
@@ -168,7 +173,7 @@ class LLM:
 
         Other requests already in the engine keep running alongside.
         """
-        request_id = self._add(prompt, sampling_params)
+        request_id = self._add(prompt, sampling_params, RequestOutputKind.DELTA)
         outputs: dict[str, RequestOutput] = {}
         try:
             while True:

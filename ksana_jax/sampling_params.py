@@ -8,6 +8,7 @@ ignored.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json as _json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -64,6 +65,15 @@ class StructuredOutputsParams:
         return self.kind, getattr(self, self.kind)
 
 
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs `LLMEngine.step` gives a request (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # everything so far, at each step: not offered (the engine emits deltas;
+    # LLM and AsyncEngine add them up, RequestOutput.add does it for a caller of step())
+    DELTA = 1  # after each step that advanced it, only what is new (the default)
+    FINAL_ONLY = 2  # one output, when it finishes, holding everything (LLM.generate's)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -92,6 +102,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # constrain the output to a JSON schema, regex, choice or grammar (ksana_jax/structured.py)
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -119,6 +130,13 @@ class SamplingParams:
             ("seed", self.seed is None or 0 <= self.seed < 2**32, "must be in [0, 2**32)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
         ]
+        if self.output_kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):
+            object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
+        else:
+            raise ValueError(
+                f"output_kind must be RequestOutputKind.DELTA or FINAL_ONLY, got "
+                f"{self.output_kind!r} (the engine emits deltas: RequestOutput.add adds them up)"
+            )
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")

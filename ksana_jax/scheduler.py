@@ -194,6 +194,8 @@ class Scheduler:
         chunk's drafts are spec_decode.DRAFTED."""
         advanced = []
         end = 0
+        token_ids = _ints(token_ids)  # once: a numpy slice per row costs more than a row's work
+        proposals = None if proposals is None else _ints(proposals)
         for chunk in scheduled.chunks:
             first = end
             end += chunk.num_positions
@@ -203,8 +205,8 @@ class Scheduler:
             request.num_placeholders -= 1
             drafts = chunk.draft_token_ids
             if proposals is not None and drafts:
-                drafts = [int(t) for t in proposals[first : first + len(drafts)]]
-            new = [int(t) for t in token_ids[first:end]]
+                drafts = proposals[first : first + len(drafts)]
+            new = token_ids[first:end]
             num_accepted = 0
             while num_accepted < len(drafts) and new[num_accepted] == drafts[num_accepted]:
                 num_accepted += 1
@@ -413,3 +415,8 @@ def _fit_scored(request: Request, n: int, scored_budget: int) -> int:
         return n
     to_score = len(request.prompt_token_ids) - 1 - request.num_computed_tokens
     return n if to_score <= scored_budget else min(n, scored_budget)
+
+
+def _ints(values: Sequence[int]) -> list[int]:
+    """A step's sampled token ids (numpy, or a list) as a list of Python ints."""
+    return values.tolist() if hasattr(values, "tolist") else [int(v) for v in values]

@@ -56,7 +56,7 @@ def echo_logprobs(
     detok = IncrementalDetokenizer(tokenizer, (), skip_special_tokens=False)
     for token_id, entry in zip(prompt_ids, prompt_logprobs, strict=True):
         texts.append(token_text(tokenizer, token_id)[0])
-        offsets.append(len(detok.text))
+        offsets.append(detok.num_chars)
         detok.add(token_id)
         if entry is None:
             lps.append(None)

@@ -14,6 +14,7 @@ import ksana_jax
 from ksana_jax import LLM, SamplingParams
 from ksana_jax.pallas_kernels import linear_cpu
 from ksana_jax.runner import compile_count
+from ksana_jax.sampling_params import RequestOutputKind
 
 # Gaps between the top two logits below this are float-noise ties: batch shape may flip them.
 TIE = 1e-4
@@ -225,6 +226,51 @@ def test_bad_requests_are_value_errors_and_leave_nothing(tiny_model):
     assert not engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="unknown engine option"):
         LLM(tiny_model, warm_up=False, max_num_sequences=4)
+
+
+def test_final_only_requests_get_one_output_holding_the_deltas_sum(tiny_model):
+    """output_kind=FINAL_ONLY (vLLM's; LLM.generate's): one output per request, at its end,
+    the same as its DELTA outputs added up -- text, tokens, logprobs, offsets, reasons, a stop
+    string cut -- beside DELTA requests in the same batch, and for an aborted one."""
+    llm = LLM(tiny_model, warm_up=False, **BASE)
+    engine = llm.engine
+    text = llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0].outputs[0].text
+    kinds = {"delta": RequestOutputKind.DELTA, "final": RequestOutputKind.FINAL_ONLY}
+    options = [
+        dict(temperature=0.8, seed=5, max_tokens=9, logprobs=2, n=2),
+        dict(temperature=0, max_tokens=12, stop=[text[len(text) // 2 : len(text) // 2 + 3]]),
+        dict(temperature=0, max_tokens=12, ignore_eos=True),
+    ]
+    for i, option in enumerate(options):
+        for name, kind in kinds.items():
+            params = SamplingParams(**option, output_kind=kind)
+            engine.add_request(f"{name}{i}", PROMPTS[3], params)
+    engine.add_request(
+        "final-aborted",
+        PROMPTS[1],
+        SamplingParams(temperature=0, max_tokens=12, output_kind=RequestOutputKind.FINAL_ONLY),
+    )
+    seen: dict[str, list] = {}
+    for _ in range(3):
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    aborted = engine.abort_request("final-aborted")
+    assert "final-aborted" not in seen and aborted.finished
+    assert aborted.outputs[0].finish_reason == "abort" and aborted.outputs[0].token_ids
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    for i in range(len(options)):
+        deltas, finals = seen[f"delta{i}"], seen[f"final{i}"]
+        assert len(deltas) > 1 and len(finals) == 1 and finals[0].finished
+        total = deltas[0]
+        for delta in deltas[1:]:
+            total.add(delta)
+        assert finals[0].outputs == total.outputs
+    assert seen["final1"][0].outputs[0].finish_reason == "stop"
+    assert engine.pages.num_used == 0
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=RequestOutputKind.CUMULATIVE)
 
 
 def test_stream_and_chat(tiny_model):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import sentencepiece as spm
@@ -201,6 +202,37 @@ def test_incremental_detokenizer_byte_level_never_breaks_characters(smollm2, tex
     assert streamed == tok.decode(ids) == text
     if "🤗" in text:  # an emoji spans several byte-level tokens: some steps emit nothing
         assert "" in deltas
+
+
+def test_incremental_detokenizer_stream_gives_the_python_windows_deltas(smollm2):
+    """The Rust DecodeStream path and the Python windows give the same deltas, for prompts
+    and outputs mixing text, special tokens (skipped or not), byte tokens that split
+    characters, and prompts that end inside a character."""
+    tok = smollm2.tokenizer
+    rng = random.Random(0)
+    specials = sorted(tok.special_token_ids)
+    byte_tokens = [
+        t for t in range(tok.vocab_size) if tok.token_bytes(t) and not _is_utf8(tok.token_bytes(t))
+    ]
+    emoji = tok.encode("café 🤗🚀 日本語 ok ")
+
+    def some(n):
+        pools = (range(tok.vocab_size), specials, byte_tokens, emoji)
+        return [rng.choice(rng.choice(pools)) for _ in range(n)]
+
+    streamed = 0
+    for trial in range(400):
+        prompt = some(rng.randrange(0, 10))
+        if trial % 4 == 0 and prompt:  # ends inside a character
+            prompt[-1] = rng.choice(byte_tokens)
+        out = some(30)
+        skip = trial % 2 == 0
+        fast = IncrementalDetokenizer(tok, prompt, skip)
+        slow = IncrementalDetokenizer(tok, prompt, skip, use_stream=False)
+        streamed += fast.uses_stream
+        assert [fast.add(t) for t in out] == [slow.add(t) for t in out], (prompt, out, skip)
+        assert fast.text == slow.text and fast.num_chars == len(fast.text)
+    assert 100 < streamed < 400  # prompts ending mid-character (a quarter and more) did not
 
 
 @pytest.mark.parametrize("text", ROUND_TRIP[:3])
