@@ -1,8 +1,9 @@
-"""Where a CPU decode step's time goes: SmolLM2-135M bfloat16 at batch 1 under
+"""Where a CPU decode step's time goes: SmolLM2-135M bfloat16 (weights int8 or int4 with
+--quantization) at batch 1 under
 jax.profiler, each XLA:CPU thunk of the step's executable put in a category (layer
 products, LM head, attention, norms, rope, KV write, ...), averaged over the decode steps.
 
-    python benchmarks/cpu_step_profile.py [--tokens 64] [--trace-dir DIR]
+    python benchmarks/cpu_step_profile.py [--tokens 64] [--trace-dir DIR] [--quantization int4]
 
 The trace's thunk events run on XLA's executing thread; the table sums their durations per
 step (busy) and the gaps between them inside the step. What lies between two steps (the
@@ -122,9 +123,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--trace-dir", type=Path, default=None)
+    parser.add_argument("--quantization", choices=["int8", "int4"], default=None)
     args = parser.parse_args()
     model = ksana_jax.load(demo_checkpoint(), dtype="bfloat16")
-    llm = LLM(model, **engine_options(1, 1024, None))
+    llm = LLM(model, quantization=args.quantization, **engine_options(1, 1024, None))
     prompts = random_prompts(1, model.config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up

@@ -24,8 +24,7 @@ the first has computed the prompt, and share its pages). Outputs are vLLM-shaped
 RequestOutputs (outputs.py) for the requests that advanced in the step: only what is new
 since the request's previous output; `LLM` and `AsyncEngine` add them up. A request with
 `output_kind=FINAL_ONLY` (LLM.generate's) gets one output, when it finishes: no per-step
-output objects for a caller that waits for the end. Stop strings are
-matched on the
+output objects for a caller that waits for the end. Stop strings are matched on the
 detokenized text (so they may span tokens) and are cut from it; until a request finishes,
 the last characters that could still start a stop string are held back from its visible
 text.

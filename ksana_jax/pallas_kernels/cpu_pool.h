@@ -121,6 +121,9 @@ class SpinPool {
           cpu_relax();
           g = generation_.load(std::memory_order_acquire);
         }
+        // A thread waiting for this core (the engine's host work, overlapping the step with
+        // async scheduling) runs now, not after the spin; alone, this returns at once.
+        if (g == seen) sched_yield();
         if (g == seen && std::chrono::steady_clock::now() > until) {
           std::unique_lock<std::mutex> lock(sleep_mutex_);
           sleeping_.fetch_add(1, std::memory_order_seq_cst);
