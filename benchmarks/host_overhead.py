@@ -74,15 +74,18 @@ def tiny_checkpoint() -> Path:
 
 
 def engine_options(rows: int, max_model_len: int, asynchronous: bool | None) -> dict:
-    """One compiled decode shape and one prefill shape; pages for the rows plus one
-    max_model_len sequence (the engine's own check)."""
+    """One compiled decode shape and one prefill shape, the size of the rows' prompts (at
+    most 1,024 tokens a step: more is chunked), so a few rows' prefill is not padded to a
+    1,024-token step vLLM would not run; pages for the rows plus one max_model_len sequence
+    (the engine's own check)."""
     per_request = -(-(PROMPT_TOKENS + 1024) // PAGE_SIZE)
+    prefill = min(rows * PROMPT_TOKENS, max(rows, 1024))
     options = dict(
         max_model_len=max_model_len,
         page_size=PAGE_SIZE,
         max_num_seqs=rows,
-        max_num_batched_tokens=max(rows, 1024),
-        token_buckets=tuple(sorted({rows, max(rows, 1024)})),
+        max_num_batched_tokens=prefill,
+        token_buckets=tuple(sorted({rows, prefill})),
         seq_buckets=(rows,),
         num_pages=max(rows * per_request, max_model_len // PAGE_SIZE) + 2,
         enable_prefix_caching=False,
