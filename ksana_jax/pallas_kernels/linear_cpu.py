@@ -38,11 +38,13 @@ _SYMBOL = "KsanaLinearCpu"
 # (lane_sums16; single products [4608, 576], [1536, 576], [576, 1536], [576, 576]):
 # 0.41-0.87x at 8 rows, 0.63-0.85x at 16, 0.74-1.27x at 32; in the engine (SmolLM2, 32
 # decode rows, `host_overhead.py --rows 32`, two alternating runs each) 32 rows through the
-# kernel decoded 1.12-1.28x the tokens/s of 16 (XLA's dot above). int8 0.23x at 1, 0.53x at 8;
+# kernel decoded 1.12-1.28x the tokens/s of 16 (XLA's dot above); at 64 decode rows (the
+# same, `--rows 64`, 2026-12-02) the kernel to 64 rows decoded 1.02-1.11x the tokens/s of 32
+# (1,003-1,078 against 952-982, two alternating runs). int8 0.23x at 1, 0.53x at 8;
 # int4 in a bfloat16 product, by Q4_1's algebra, 0.01-0.2x at 1-16 rows per product at
 # load 9-11. float32 stays on XLA's matrix-vector product: at 1 row it was 1.1-3x faster
 # than the kernel ([576, 576], [1536, 576], [576, 1536], [49152, 576], weights from memory).
-MAX_ROWS = {"float32": 0, "bfloat16": 32, "int8": 8, "int4": 16}
+MAX_ROWS = {"float32": 0, "bfloat16": 64, "int8": 8, "int4": 16}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 # Calls of fewer weight bytes (all of their weights together) run on the caller's thread
 # alone: XLA's pool threads wake in microseconds on a quiet machine but started 0.1-10 ms
