@@ -151,7 +151,7 @@ def decode_products(fused: bool, activation: bool = True):
 def fused_table(rng, dtypes, repeats: int, bandwidth: float) -> None:
     """Per-weight calls vs one call per shared input, by threading threshold (1 row)."""
     default = linear_cpu.PARALLEL_BYTES
-    thresholds = {f"{default >> 20}MiB": default, "1MiB": 1 << 20, "0": 0}
+    thresholds = {f"{default >> 10}KiB": default, "1MiB": 1 << 20, "0": 0}
     print(f"{'dtype':>8} {'calls':>10} {'parallel':>9} {'step us':>9} {'GB/s':>6} {'% bw':>5}")
     for dtype in dtypes:
         layers = tuple(
@@ -169,7 +169,7 @@ def fused_table(rng, dtypes, repeats: int, bandwidth: float) -> None:
                 jax.block_until_ready(fn(x, layers, head))
                 variants[("one/input" if fused else "one/weight", name)] = fn
         linear_cpu.PARALLEL_BYTES = default
-        variants[("input-act", f"{default >> 20}MiB")] = decode_products(True, activation=False)
+        variants[("input-act", f"{default >> 10}KiB")] = decode_products(True, activation=False)
         best = dict.fromkeys(variants, float("inf"))
         for _ in range(repeats):  # interleaved: a busy spell hits every variant
             for key, fn in variants.items():

@@ -47,15 +47,16 @@ _SYMBOL = "KsanaLinearCpu"
 MAX_ROWS = {"float32": 0, "bfloat16": 64, "int8": 8, "int4": 16}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 # Calls of fewer weight bytes (all of their weights together) run on the caller's thread
-# alone: XLA's pool threads wake in microseconds on a quiet machine but started 0.1-10 ms
-# late on this repo's loaded 2-core one, after a decode layer's products (10-100 us) had
-# finished. Quiet (load 1.2-1.9), SmolLM2 bfloat16 batch-1, 4 alternating runs each
-# (benchmarks/quant.py, the jitted step alone): 10.3-11.2 ms a step at 1 MiB (q/k/v,
-# gate/up and down on both cores, the 0.66 MB output projection on the caller) vs
-# 11.2-12.5 ms at 4 MiB; loaded (load 5-10), the pool had cost more than it gave (bfloat16
-# products 15.8 ms a step on one thread, 20.7 ms with the pool; int4 7.5 vs 13.1 ms above
-# 256 KB). benchmarks/linear_cpu.py --fused re-measures it.
-PARALLEL_BYTES = 1 << 20
+# alone. XLA's pool threads started 0.1-10 ms late on this repo's loaded 2-core machine,
+# after a decode layer's products (10-100 us) had finished, so the threshold was once 1 MiB;
+# the kernels' own spinning pool (cpu_pool.h) joins within microseconds, and a quantized
+# product is bound by its unpacking more than by its bytes (int4: four times the multiplies
+# of bfloat16 a byte). SmolLM2 batch-1 (2026-12-02, one process per setting, 2-3 alternating
+# rounds, the jitted step alone): int4 10.4-11.9 ms a step at 256 KiB and 10.6-10.9 at 128 KiB
+# against 11.9-13.0 at 1 MiB (which left q/k/v, o and down on one core); int8 14.2-14.7
+# against 18.0-18.3; bfloat16 15.7-16.8 against 16.3-16.8 (the output projection, 0.66 MB,
+# on both cores). benchmarks/linear_cpu.py --fused re-measures it.
+PARALLEL_BYTES = 1 << 17
 # KSANA_JAX_CPU_LINEAR=0 keeps XLA's dot everywhere (a before/after comparison in one run).
 ENABLED = os.environ.get("KSANA_JAX_CPU_LINEAR", "1") != "0"
 
