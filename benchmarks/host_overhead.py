@@ -6,13 +6,13 @@ step costs the device almost nothing, so the host's work per step decides the sp
 max_model_len, row count and async scheduling off/on: `rows` requests of a short random prompt
 each decode `--tokens` tokens (EOS ignored), all submitted at once, after a warm-up run of the
 same shape (max_model_len is capped at the model's context: SmolLM2 has 8192). The timed run
-is repeated (`--repeat`, 3), the two modes taking turns, and each mode's fastest run counts:
-on a shared machine one slow run says more about the machine than about the engine; `spread`
-(slowest / fastest tok/s) shows how much the runs differed. Prints output tokens per second,
-wall ms per engine step, and -- when the engine has a step timer -- host ms
-per step, device ms per step and the fraction of time the device sat idle between steps (see
-ksana_jax/step_metrics.py). Runs against older engines too (no async option, no timer: those
-columns say n/a).
+is repeated (`--repeat`, 3), every (max_model_len, mode) of a row count taking turns, and
+each one's fastest run counts: on a shared machine one slow run says more about the machine
+than about the engine; `spread` (slowest / fastest tok/s) shows how much the runs differed.
+Prints output tokens per second, wall ms per engine step, and -- when the engine has a step
+timer -- host ms per step, device ms per step and the fraction of time the device sat idle
+between steps (see ksana_jax/step_metrics.py). Runs against older engines too (no async
+option, no timer: those columns say n/a).
 
     python benchmarks/host_overhead.py [--models tiny smollm2] [--rows 1 64 256]
         [--max-model-len 1024 32768] [--tokens 64] [--repeat 3] [--dtype bfloat16]
@@ -73,12 +73,14 @@ def tiny_checkpoint() -> Path:
     return out
 
 
-def engine_options(rows: int, max_model_len: int, asynchronous: bool | None) -> dict:
+def engine_options(
+    rows: int, max_model_len: int, asynchronous: bool | None, tokens: int = 1024
+) -> dict:
     """One compiled decode shape and one prefill shape, the size of the rows' prompts (at
     most 1,024 tokens a step: more is chunked), so a few rows' prefill is not padded to a
-    1,024-token step vLLM would not run; pages for the rows plus one max_model_len sequence
-    (the engine's own check)."""
-    per_request = -(-(PROMPT_TOKENS + 1024) // PAGE_SIZE)
+    1,024-token step vLLM would not run; pages for the rows' prompts and `tokens` outputs,
+    and at least one max_model_len sequence (the engine's own check)."""
+    per_request = -(-(PROMPT_TOKENS + tokens) // PAGE_SIZE)
     prefill = min(rows * PROMPT_TOKENS, max(rows, 1024))
     options = dict(
         max_model_len=max_model_len,
@@ -101,25 +103,35 @@ def random_prompts(rows: int, vocab: int) -> list[list[int]]:
 
 
 def measure(
-    model, rows: int, max_model_len: int, tokens: int, modes: list[bool | None], repeat: int = 1
-) -> dict[bool | None, dict]:
-    """Each mode (async off/on) on its own engine, warmed up, then the timed run `repeat`
-    times, the modes taking turns (reversed every other round, so neither always runs first
-    on a noisy machine); each mode's fastest run, with `spread` = slowest / fastest tok/s."""
+    model,
+    rows: int,
+    max_model_lens: list[int],
+    tokens: int,
+    modes: list[bool | None],
+    repeat: int = 1,
+) -> dict[tuple[int, bool | None], dict]:
+    """Each (max_model_len, mode) on its own engine, warmed up, then the timed run `repeat`
+    times, all of them taking turns (reversed every other round, so none always runs first):
+    on a shared machine whose speed drifts, configurations measured one after the other
+    differ by the drift (max_model_len 32768 measured after 1024 came out 0.78-0.86x in one
+    run, 0.95-1.00x taking turns). Each one's fastest run, with `spread` = slowest / fastest
+    tok/s."""
     prompts = random_prompts(rows, model.config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    configs = [(max_model_len, mode) for max_model_len in max_model_lens for mode in modes]
     llms = {}
-    for mode in modes:
-        llms[mode] = LLM(model, **engine_options(rows, max_model_len, mode))
-        llms[mode].generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    runs: dict[bool | None, list[dict]] = {mode: [] for mode in modes}
+    for max_model_len, mode in configs:
+        options = engine_options(rows, max_model_len, mode, tokens)
+        llms[max_model_len, mode] = llm = LLM(model, **options)
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    runs: dict[tuple[int, bool | None], list[dict]] = {config: [] for config in configs}
     for round_ in range(repeat):
-        for mode in modes if round_ % 2 == 0 else modes[::-1]:
-            runs[mode].append(_timed(llms[mode], prompts, params, rows, tokens))
+        for config in configs if round_ % 2 == 0 else configs[::-1]:
+            runs[config].append(_timed(llms[config], prompts, params, rows, tokens))
     best = {}
-    for mode, rows_ in runs.items():
-        best[mode] = max(rows_, key=lambda row: row["tok_s"])
-        best[mode]["spread"] = min(r["tok_s"] for r in rows_) / best[mode]["tok_s"]
+    for config, rows_ in runs.items():
+        best[config] = max(rows_, key=lambda row: row["tok_s"])
+        best[config]["spread"] = min(r["tok_s"] for r in rows_) / best[config]["tok_s"]
     return best
 
 
@@ -166,15 +178,16 @@ def main() -> None:
         dtype = "float32" if name == "tiny" else args.dtype
         model = ksana_jax.load(path, dtype=dtype)
         context = model.config.max_position_embeddings
-        for max_model_len in sorted({min(n, context) for n in args.max_model_len}):
-            for rows in args.rows:
-                best = measure(model, rows, max_model_len, args.tokens, modes, args.repeat)
-                for mode, row in best.items():
-                    results.append((name, max_model_len, rows, mode, row))
-                    print_row(*results[-1], flush=True)
-                if args.no_vllm:
-                    continue
-                prompts = random_prompts(rows, model.config.vocab_size)
+        max_model_lens = sorted({min(n, context) for n in args.max_model_len})
+        for rows in args.rows:
+            best = measure(model, rows, max_model_lens, args.tokens, modes, args.repeat)
+            for (max_model_len, mode), row in best.items():
+                results.append((name, max_model_len, rows, mode, row))
+                print_row(*results[-1], flush=True)
+            if args.no_vllm:
+                continue
+            prompts = random_prompts(rows, model.config.vocab_size)
+            for max_model_len in max_model_lens:
                 peer = vllm_peer.run(
                     path if name == "tiny" else vllm_peer.smollm2_hf_dir(),
                     prompts,
@@ -188,6 +201,7 @@ def main() -> None:
                     row = dict(tok_s=peer["tok_s"], wall_ms=peer["seconds"] / args.tokens * 1e3)
                     results.append((name, max_model_len, rows, "vllm", row))
                     print_row(*results[-1], flush=True)
+    results.sort(key=lambda r: (r[0], r[1], r[2]))  # by model, max_model_len, rows
     print(f"\n{args.tokens} output tokens per request, {PROMPT_TOKENS}-token prompts")
     print_header()
     for result in results:

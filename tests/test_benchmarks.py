@@ -190,16 +190,18 @@ def test_host_overhead_pieces_run_on_the_engine(tmp_path, capsys):
     write_tiny_hf(tmp_path / "hf", eos_token_id=None)
     model = ksana_jax.load(tmp_path / "hf")
     results = []
-    best = host_overhead.measure(model, 2, 128, 3, [False, True], repeat=2)
-    for asynchronous, row in best.items():
+    best = host_overhead.measure(model, 2, [64, 128], 3, [False, True], repeat=2)
+    assert sorted(best) == [(64, False), (64, True), (128, False), (128, True)]
+    for (max_model_len, asynchronous), row in best.items():
         assert row["tok_s"] > 0 and row["host_ms"] > 0 and 0 <= row["idle"] <= 1
         assert 0 < row["spread"] <= 1
-        results.append(("tiny", 128, 2, asynchronous, row))
+        results.append(("tiny", max_model_len, 2, asynchronous, row))
     host_overhead.print_header()
     for result in results:
         host_overhead.print_row(*result)
     host_overhead.print_ratios(results)
-    assert "async on/off" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "async on/off" in out and "max_len 128/64" in out
 
 
 def test_linear_cpu_pieces_run():
