@@ -8,7 +8,11 @@ joins a slot (is admitted or resumed) and, for the page table, when it gains pag
 grammar-constrained row's token bitmask is filled each step from its matcher (structured.py),
 apart from the other inputs: while the step's forward runs (runner.py). A step
 then gathers its rows with one index per array, so its host work is O(rows joined + pages
-gained + tokens scheduled), whatever max_model_len or the context lengths are.
+gained + tokens scheduled), whatever the context lengths are -- but for the page table, which
+each step copies [S, P] of: P pages of its context bucket, and the cpu and xla backends
+compile one bucket only, the largest (max_model_len / page_size), so with them that copy
+grows with max_model_len (measured: README, host_overhead.py). A page table kept on the
+device and written by diffs would remove it.
 
 The device keeps its own per-slot state (runner.BatchState): each slot's last sampled token,
 which a decode row reads when its token is still a placeholder (async scheduling), and the

@@ -32,19 +32,30 @@ from ksana_jax.pallas_kernels import cpu_build
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET = "ksana_linear_cpu"
 _SYMBOL = "KsanaLinearCpu"
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX bfloat16 tiles (Linux's cpuinfo flag amx_bf16): XLA:CPU's
+    bfloat16 dot (YNNPACK) multiplies on them."""
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
 # Rows up to which `layers.linear` takes the kernel, by weight format: beyond them XLA's
-# dot was as fast or faster (benchmarks/linear_cpu.py, this repo's 2-core AVX-512 machine,
-# kernel / XLA time). bfloat16, since a [4, 4] tile's 16 sums became one transposing tree
-# (lane_sums16; single products [4608, 576], [1536, 576], [576, 1536], [576, 576]):
-# 0.41-0.87x at 8 rows, 0.63-0.85x at 16, 0.74-1.27x at 32; in the engine (SmolLM2, 32
-# decode rows, `host_overhead.py --rows 32`, two alternating runs each) 32 rows through the
-# kernel decoded 1.12-1.28x the tokens/s of 16 (XLA's dot above); at 64 decode rows (the
-# same, `--rows 64`, 2026-12-02) the kernel to 64 rows decoded 1.02-1.11x the tokens/s of 32
-# (1,003-1,078 against 952-982, two alternating runs). int8 0.23x at 1, 0.53x at 8;
-# int4 in a bfloat16 product, by Q4_1's algebra, 0.01-0.2x at 1-16 rows per product at
-# load 9-11. float32 stays on XLA's matrix-vector product: at 1 row it was 1.1-3x faster
-# than the kernel ([576, 576], [1536, 576], [576, 1536], [49152, 576], weights from memory).
-MAX_ROWS = {"float32": 0, "bfloat16": 64, "int8": 8, "int4": 16}
+# dot was as fast or faster (benchmarks/linear_cpu.py for single products; the engine's
+# tokens/s at each row count, SmolLM2 decode, for bfloat16). bfloat16 depends on the CPU:
+# where it has AMX, XLA's dot runs on its tiles, which the kernel's vdpbf16ps cannot match
+# past a few rows (2-core Xeon with AMX, 2026-12-02, the engine: the kernel decoded 1.10x
+# XLA's tokens/s at 8 rows, 0.84x at 16, 0.67x at 32, 0.49-0.52x at 64); without AMX (Zen 5,
+# AVX-512 BF16) the kernel was ahead up to 64 rows (1.12-1.28x at 32, 1.02-1.11x at 64).
+# int8 0.23x at 1, 0.53x at 8; int4 in a bfloat16 product, by Q4_1's algebra, 0.01-0.2x at
+# 1-16 rows per product at load 9-11. float32 stays on XLA's matrix-vector product: at 1 row
+# it was 1.1-3x faster than the kernel ([576, 576], [1536, 576], [576, 1536], [49152, 576],
+# weights from memory).
+MAX_ROWS = {"float32": 0, "bfloat16": 8 if cpu_has_amx() else 64, "int8": 8, "int4": 16}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 # Calls of fewer weight bytes (all of their weights together) run on the caller's thread
 # alone. XLA's pool threads started 0.1-10 ms late on this repo's loaded 2-core machine,
