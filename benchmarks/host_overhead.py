@@ -113,9 +113,8 @@ def measure(
     """Each (max_model_len, mode) on its own engine, warmed up, then the timed run `repeat`
     times, all of them taking turns (reversed every other round, so none always runs first):
     on a shared machine whose speed drifts, configurations measured one after the other
-    differ by the drift (max_model_len 32768 measured after 1024 came out 0.78-0.86x in one
-    run, 0.95-1.00x taking turns). Each one's fastest run, with `spread` = slowest / fastest
-    tok/s."""
+    differ by the drift as much as by themselves (README). Each one's fastest run, with
+    `spread` = slowest / fastest tok/s."""
     prompts = random_prompts(rows, model.config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     configs = [(max_model_len, mode) for max_model_len in max_model_lens for mode in modes]
