@@ -8,17 +8,19 @@ joins a slot (is admitted or resumed) and, for the page table, when it gains pag
 grammar-constrained row's token bitmask is filled each step from its matcher (structured.py),
 apart from the other inputs: while the step's forward runs (runner.py). A step
 then gathers its rows with one index per array, so its host work is O(rows joined + pages
-gained + tokens scheduled), whatever the context lengths are -- but for the page table, which
-each step copies [S, P] of: P pages of its context bucket, and the cpu and xla backends
-compile one bucket only, the largest (max_model_len / page_size), so with them that copy
-grows with max_model_len (measured: README, host_overhead.py). A page table kept on the
-device and written by diffs would remove it.
+gained + tokens scheduled), whatever the context lengths are.
 
 The device keeps its own per-slot state (runner.BatchState): each slot's last sampled token,
-which a decode row reads when its token is still a placeholder (async scheduling), and the
-penalty counts, updated in the step from the tokens it feeds. `RowInputs` tells the step
-where each token and row goes in that state, and which of its tokens' hidden states to
-score for prompt logprobs (a fixed Q positions, see sampling.score_prompt).
+which a decode row reads when its token is still a placeholder (async scheduling); the
+penalty counts, updated in the step from the tokens it feeds; and the page table, [R,
+max_pages_per_seq], written by the pages each row gained since its last step (`PageWrites`,
+sent with the step; the host's copy computes the tokens' KV slots) and read by the step for
+its rows' first P pages. So no step sends a page table: one would grow with max_model_len
+on the cpu and xla backends, which compile one context bucket only, the largest. Entries of
+a slot past its owner's pages keep a previous owner's page ids: attention reads only the
+pages that hold a row's cached tokens. `RowInputs` tells the step where each token and row
+goes in that state, and which of its tokens' hidden states to score for prompt logprobs (a
+fixed Q positions, see sampling.score_prompt).
 """
 
 from __future__ import annotations
@@ -40,8 +42,43 @@ from ksana_jax.structured import fill_bitmasks
 
 
 @functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["slots", "indices", "pages"], meta_fields=[]
+)
+@dataclasses.dataclass(frozen=True)
+class PageWrites:
+    """Page-table entries to write on the device: page_table[slots[i], indices[i]] = pages[i]
+    (padding: slot R, dropped)."""
+
+    slots: jax.Array  # i32[D]
+    indices: jax.Array  # i32[D]
+    pages: jax.Array  # i32[D]
+
+    @classmethod
+    def padding(cls, width: int, num_slots: int) -> PageWrites:
+        return cls(
+            np.full(width, num_slots, np.int32),
+            np.zeros(width, np.int32),
+            np.full(width, SINK_PAGE, np.int32),
+        )
+
+    def apply(self, page_table: jax.Array) -> jax.Array:
+        """Inside a jitted program: `page_table` i32[R, max_pages] with the entries written."""
+        return page_table.at[self.slots, self.indices].set(self.pages, mode="drop")
+
+
+def page_writes_width(num_tokens: int, num_seqs: int, page_size: int) -> int:
+    """D, the page writes a (T, S) step carries: S + ceil(T / page_size), more than its rows
+    gain for the tokens they schedule (a row of n new tokens gains ceil(n / page_size) pages
+    at most past those of its cached tokens). A prefix-cache hit's pages, gained with no
+    tokens scheduled, may not fit: they are written before the step (`PersistentBatch.prepare`)."""
+    return num_seqs + -(-num_tokens // page_size)
+
+
+@functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=[
+        "row_slots",
+        "page_writes",
         "last_token_slots",
         "count_slots",
         "is_output",
@@ -53,13 +90,15 @@ from ksana_jax.structured import fill_bitmasks
         "sample_offsets",
         "sample_has_draft",
     ],
-    meta_fields=[],
+    meta_fields=["context_pages"],
 )
 @dataclasses.dataclass(frozen=True)
 class RowInputs:
     """Where a step's tokens and rows live in the device's per-slot state (R slots; the index
     R means none)."""
 
+    row_slots: jax.Array  # i32[S]  each row's slot (padding: the sink, R - 1)
+    page_writes: PageWrites  # [D]  pages the rows gained since their last step
     last_token_slots: jax.Array  # i32[T]  the token is that slot's last sampled one (else R)
     count_slots: jax.Array  # i32[T]  counts the token into that slot's penalty counts (else R)
     is_output: jax.Array  # bool[T]  the token is an output token (else a prompt token)
@@ -72,6 +111,7 @@ class RowInputs:
     sample_rows: jax.Array  # i32[W]  its row (padding: S)
     sample_offsets: jax.Array  # i32[W]  j: it samples the row's j-th new token (padding: 0)
     sample_has_draft: jax.Array  # bool[W]  a proposal follows it (the next token slot)
+    context_pages: int  # static: P, the page-table columns the step reads (its context bucket)
 
 
 def sample_width(num_tokens: int, num_seqs: int, num_speculative: int) -> int:
@@ -152,8 +192,9 @@ class PersistentBatch:
         self.bias_values[slot] = 0
         self.bias_values[slot, : len(bias)] = list(bias.values())
 
-    def _sync(self, request: Request) -> int:
-        """Brings the request's row up to date (join, new pages); returns its slot."""
+    def _sync(self, request: Request, writes: list[tuple[int, int, list[int]]]) -> int:
+        """Brings the request's row up to date (join, new pages: appended to `writes` as
+        (slot, first index, pages) for the device's copy); returns its slot."""
         slot = request.slot
         assert 0 <= slot < self.sink, f"request {request.request_id} holds no slot ({slot})"
         owner = self._owner[slot]
@@ -164,7 +205,34 @@ class PersistentBatch:
             new = request.page_ids[done:]
             self.page_table[slot, done : done + len(new)] = new
             self._num_pages[slot] = len(request.page_ids)
+            writes.append((slot, int(done), new))
         return slot
+
+    def _page_writes(
+        self, writes: list[tuple[int, int, list[int]]], width: int
+    ) -> tuple[PageWrites, list[PageWrites]]:
+        """`writes` as the step's PageWrites of `width`, and those that do not fit in pieces
+        of max_pages_per_seq, to write before it."""
+        step = PageWrites.padding(width, self.num_slots)
+        if not writes:
+            return step, []
+        counts = [len(pages) for _, _, pages in writes]
+        slots = np.repeat(np.array([slot for slot, _, _ in writes], np.int32), counts)
+        indices = np.concatenate(
+            [np.arange(first, first + len(pages), dtype=np.int32) for _, first, pages in writes]
+        )
+        pages = np.concatenate([np.asarray(pages, np.int32) for _, _, pages in writes])
+        most = self.page_table.shape[1]
+        pieces = [(0, width), *((lo, most) for lo in range(width, len(pages), most))]
+        parts = []
+        for lo, size in pieces:
+            part = step if lo == 0 else PageWrites.padding(size, self.num_slots)
+            n = min(size, len(pages) - lo)
+            part.slots[:n], part.indices[:n], part.pages[:n] = (
+                slots[lo : lo + n], indices[lo : lo + n], pages[lo : lo + n]
+            )
+            parts.append(part)
+        return step, parts[1:]
 
     def prepare(
         self,
@@ -173,13 +241,16 @@ class PersistentBatch:
         num_seqs: int,
         pages: int,
         num_positions: int,
-    ) -> tuple[StepInputs, SamplingInputs, RowInputs]:
+    ) -> tuple[StepInputs, SamplingInputs, RowInputs, list[PageWrites]]:
         """The inputs of a step of bucket shape (T, S, P pages, W sampled positions) running
-        `chunks`; SamplingInputs has one row per sampled position."""
+        `chunks`, and the page writes to run before it, if its rows gained more pages than
+        it carries (page_writes_width); SamplingInputs has one row per sampled position.
+        StepInputs.page_table is None: the step reads the device's."""
         n = len(chunks)
         ps = self.page_size
+        writes: list[tuple[int, int, list[int]]] = []
         slots = np.full(num_seqs, self.sink, np.int32)
-        slots[:n] = [self._sync(c.request) for c in chunks]
+        slots[:n] = [self._sync(c.request, writes) for c in chunks]
         starts = np.fromiter((c.start for c in chunks), np.int32, n)
         lens = np.fromiter((c.num_tokens for c in chunks), np.int32, n)
         # A chunk's tokens are known but for a placeholder at its end (a decode row continuing
@@ -208,8 +279,9 @@ class PersistentBatch:
         token_ids[:total][is_known] = flat
         seq_lens = np.zeros(num_seqs, np.int32)
         seq_lens[:n] = starts + lens
-        inputs = StepInputs(
-            token_ids, positions, slot_ids, self.page_table[slots, :pages], seq_lens, query_starts
+        inputs = StepInputs(token_ids, positions, slot_ids, None, seq_lens, query_starts)
+        page_writes, before = self._page_writes(
+            writes, page_writes_width(num_tokens, num_seqs, ps)
         )
         # Sampled positions: each chunk's last 1 + len(drafts) tokens, chunk after chunk.
         num_drafts = np.fromiter((len(c.draft_token_ids) for c in chunks), np.int32, n)
@@ -245,6 +317,8 @@ class PersistentBatch:
         reset_slots = np.full(num_seqs, none, np.int32)
         reset_slots[:n] = np.where((starts == 0) & self.penalized[slots[:n]], slots[:n], none)
         rows = RowInputs(
+            slots,
+            page_writes,
             last_token_slots,
             count_slots,
             is_output,
@@ -254,8 +328,9 @@ class PersistentBatch:
             sample_rows,
             sample_offsets,
             has_draft,
+            pages,
         )
-        return inputs, self._sampling(sample_slots, num_generated), rows
+        return inputs, self._sampling(sample_slots, num_generated), rows, before
 
     def bitmasks(self, chunks: Sequence[ScheduledChunk], num_positions: int) -> np.ndarray:
         """SamplingInputs.token_bitmask i32[W, ceil(V / 32)] of a step `prepare` built: the
@@ -321,7 +396,7 @@ class PersistentBatch:
         self, num_tokens: int, num_seqs: int, pages: int, num_positions: int
     ) -> tuple[StepInputs, SamplingInputs, RowInputs]:
         """Inputs of a (T, S, P pages, W positions) step holding padding only."""
-        return self.prepare([], num_tokens, num_seqs, pages, num_positions)
+        return self.prepare([], num_tokens, num_seqs, pages, num_positions)[:3]
 
 
 # A step's host inputs travel as two flat buffers (int32 and float32) rather than ~25 small

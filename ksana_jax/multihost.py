@@ -7,6 +7,7 @@ engine -- scheduler, page manager, tokenizer, HTTP server. Before each step's fo
 (warm-up steps included) its runner sends the step's host inputs through a `StepChannel`: a
 header i32[4] = (STEP, T, S, P) and then the input arrays of that bucket shape, two
 `broadcast_one_to_all` collectives; before its sampling program, the token bitmask, a third.
+Page-table writes run before a step (runner.write_pages) go as (PAGES, D, 0, 0) and the writes.
 The other processes (followers) run `follow(runner)`, which receives each step and runs its
 two programs, in the leader's order, until the leader sends the STOP header
 (`StepChannel.close`, also run at exit). A follower has nothing to serve: with
@@ -33,7 +34,9 @@ import jax
 import numpy as np
 from jax.experimental.multihost_utils import broadcast_one_to_all
 
-STOP, STEP = 0, 1
+from ksana_jax.batch import PageWrites
+
+STOP, STEP, PAGES = 0, 1, 2
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -67,15 +70,22 @@ class StepChannel:
         self._closed = False
         atexit.register(self.close)  # followers must not wait forever for a step
 
-    def send(self, inputs: Any, *rest: Any) -> None:
-        """Sends one step's forward inputs (StepInputs, then the runner's other per-step
-        inputs, numpy arrays) to the followers."""
+    def send(self, inputs: Any, sampling: Any, rows: Any) -> None:
+        """Sends one step's forward inputs (StepInputs, SamplingInputs, RowInputs: numpy
+        arrays) to the followers."""
         if self._closed:
             raise RuntimeError("the step channel is closed: the followers have stopped")
-        num_seqs, pages_per_seq = inputs.page_table.shape
-        header = np.array([STEP, inputs.token_ids.shape[0], num_seqs, pages_per_seq], np.int32)
+        num_seqs, pages = inputs.seq_lens.shape[0], rows.context_pages
+        header = np.array([STEP, inputs.token_ids.shape[0], num_seqs, pages], np.int32)
         broadcast_one_to_all(header)
-        broadcast_one_to_all((inputs, *rest))
+        broadcast_one_to_all((inputs, sampling, rows))
+
+    def send_pages(self, writes: PageWrites) -> None:
+        """Sends page-table writes the leader runs before its next step."""
+        if self._closed:
+            raise RuntimeError("the step channel is closed: the followers have stopped")
+        broadcast_one_to_all(np.array([PAGES, writes.slots.shape[0], 0, 0], np.int32))
+        broadcast_one_to_all(writes)
 
     def send_bitmask(self, token_bitmask: np.ndarray) -> None:
         """Sends the token bitmask of the step last sent, before its sampling program."""
@@ -95,10 +105,13 @@ def leader_channel() -> StepChannel | None:
 
 class _Runner(Protocol):
     config: Any
+    batch: Any
 
     def padding_inputs(self, num_tokens: int, num_seqs: int, context: int) -> tuple[Any, ...]: ...
 
     def forward(self, *inputs: Any) -> Any: ...
+
+    def write_pages(self, writes: PageWrites) -> None: ...
 
     def sample(self, forwarded: Any, token_bitmask: Any) -> Any: ...
 
@@ -109,14 +122,18 @@ def follow(runner: _Runner) -> int:
         raise RuntimeError("process 0 leads; follow() is for the other processes")
     steps = 0
     while True:
-        command, num_tokens, num_seqs, pages_per_seq = broadcast_one_to_all(
-            np.zeros(4, np.int32)
-        ).tolist()
+        command, *shape = broadcast_one_to_all(np.zeros(4, np.int32)).tolist()
         if command == STOP:
             return steps
-        # Same shapes and dtypes as the leader's arrays: padding inputs of that bucket.
+        # What arrives has the shapes and dtypes of padding: of the writes' width D, or of
+        # the step's bucket (T, S, P).
+        if command == PAGES:
+            writes = PageWrites.padding(shape[0], runner.batch.num_slots)
+            runner.write_pages(broadcast_one_to_all(writes))
+            continue
+        num_tokens, num_seqs, pages = shape
         *inputs, token_bitmask = runner.padding_inputs(
-            num_tokens, num_seqs, pages_per_seq * runner.config.page_size
+            num_tokens, num_seqs, pages * runner.config.page_size
         )
         forwarded = runner.forward(*broadcast_one_to_all(tuple(inputs)))
         runner.sample(forwarded, broadcast_one_to_all(token_bitmask))

@@ -5,7 +5,9 @@ logprobs of the positions the chunks score (sampling.score_prompt). The runner o
 params, the KV array and the persistent batch (batch.py: host rows per slot, and the device's
 BatchState: last sampled tokens and penalty counts). A step is two programs, as SGLang's:
 
-    dispatch(chunks)          forward_step: the model; the sampled positions' logits and the
+    dispatch(chunks)          [write_pages_step: a prefix-cache hit's pages, when they do not
+                              fit in the step's page writes               (BatchState donated)]
+                              forward_step: the model; the sampled positions' logits and the
                               scored prompt logprobs stay on the device   (KV donated)
     finish_dispatch(step)     the token bitmask, filled now from the grammars (batch.py);
                               sample_step: tokens, logprobs, proposals    (BatchState donated)
@@ -38,6 +40,7 @@ from tqdm import tqdm
 from ksana_jax import draft, multihost
 from ksana_jax.batch import (
     PackLayout,
+    PageWrites,
     PersistentBatch,
     RowInputs,
     pack,
@@ -46,6 +49,7 @@ from ksana_jax.batch import (
 )
 from ksana_jax.config import EngineConfig, ModelConfig
 from ksana_jax.kv_cache import (
+    SINK_PAGE,
     KVCache,
     KVCacheSpec,
     allocate_kv,
@@ -77,7 +81,9 @@ MAX_SUPPRESSED_IDS = 8  # EOS + stop_token_ids banned while a request is below m
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["last_token", "counts"], meta_fields=[]
+    jax.tree_util.register_dataclass,
+    data_fields=["last_token", "counts", "page_table"],
+    meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class BatchState:
@@ -86,10 +92,15 @@ class BatchState:
 
     last_token: jax.Array  # i32[R]  each slot's last sampled token
     counts: PenaltyCounts  # [R, V]  each slot's tokens so far, for penalties
+    page_table: jax.Array  # i32[R, max_pages_per_seq]  each slot's pages (batch.PageWrites)
 
     @classmethod
-    def zeros(cls, num_slots: int, vocab: int) -> BatchState:
-        return cls(jnp.zeros(num_slots, jnp.int32), PenaltyCounts.zeros(num_slots, vocab))
+    def zeros(cls, num_slots: int, vocab: int, max_pages: int) -> BatchState:
+        return cls(
+            jnp.zeros(num_slots, jnp.int32),
+            PenaltyCounts.zeros(num_slots, vocab),
+            jnp.full((num_slots, max_pages), SINK_PAGE, jnp.int32),
+        )
 
 
 def _on_used_positions(rows: RowInputs, fn, *operands):
@@ -163,15 +174,21 @@ def _forward(
     draft_cfg: ModelConfig | None = None,
     num_speculative: int = 0,
 ) -> tuple[Forwarded, KVCache, BatchState, KVCache | None]:
-    """The step's first program: unpacks its inputs (StepInputs, SamplingInputs without the
-    token bitmask, RowInputs; see batch.pack), feeds placeholders their slot's last sampled
-    token, counts the fed tokens for penalties, runs the model, and projects the sampled
-    positions' logits and scores the prompt positions RowInputs names. With a draft model
-    (draft.py) the draft first fills the drafted slots, then computes the step's tokens on
-    its own KV."""
+    """The step's first program: unpacks its inputs (StepInputs without the page table,
+    SamplingInputs without the token bitmask, RowInputs; see batch.pack), writes the pages
+    its rows gained into the device's page table and reads their first P pages from it,
+    feeds placeholders their slot's last sampled token, counts the fed tokens for penalties,
+    runs the model, and projects the sampled positions' logits and scores the prompt
+    positions RowInputs names. With a draft model (draft.py) the draft first fills the
+    drafted slots, then computes the step's tokens on its own KV."""
     inputs, sampling, rows = unpack(buffers, layout)[:3]
+    page_table = rows.page_writes.apply(state.page_table)
     fed = state.last_token.at[rows.last_token_slots].get(mode="fill", fill_value=-1)
-    inputs = dataclasses.replace(inputs, token_ids=jnp.where(fed >= 0, fed, inputs.token_ids))
+    inputs = dataclasses.replace(
+        inputs,
+        token_ids=jnp.where(fed >= 0, fed, inputs.token_ids),
+        page_table=page_table[rows.row_slots, : rows.context_pages],
+    )
     if draft_cfg is not None:
         inputs, draft_kv = draft.propose(
             draft_params, draft_cfg, draft_kv, inputs, rows, num_speculative, backend
@@ -199,7 +216,7 @@ def _forward(
         max_logprobs,
     )
     out = Forwarded(logits, _next_tokens(inputs, rows), scored, buffers, layout)
-    return out, kv, _replicated(BatchState(state.last_token, counts)), draft_kv
+    return out, kv, _replicated(BatchState(state.last_token, counts, page_table)), draft_kv
 
 
 def _sample(
@@ -227,8 +244,14 @@ def _sample(
     )
     last_token = state.last_token.at[last].set(sampled.token_ids, mode="drop")
     proposals = jnp.where(rows.sample_has_draft, forwarded.next_tokens, -1)
-    state = _replicated(BatchState(last_token, state.counts))
+    state = _replicated(dataclasses.replace(state, last_token=last_token))
     return (sampled, forwarded.scored, proposals), state
+
+
+def _write_pages(state: BatchState, writes: PageWrites) -> BatchState:
+    """Page-table entries written before a step whose rows gained more pages than it
+    carries (a prefix-cache hit's)."""
+    return _replicated(dataclasses.replace(state, page_table=writes.apply(state.page_table)))
 
 
 def _engine_step(
@@ -273,8 +296,9 @@ _FORWARD_JIT = dict(
 forward_step = jax.jit(_forward, **_FORWARD_JIT)
 sample_step = jax.jit(_sample, static_argnames=("max_logprobs",), donate_argnames=("state",))
 engine_step = jax.jit(_engine_step, **_FORWARD_JIT)
+write_pages_step = jax.jit(_write_pages, donate_argnames=("state",))
 # every jitted step, for compile_count (engine_step: only AOT tools and tests run it)
-_step_functions = {forward_step, sample_step, engine_step}
+_step_functions = {forward_step, sample_step, engine_step, write_pages_step}
 
 
 # Platforms whose default array layouts can put the KV's dims out of order (a TPU does, see
@@ -458,10 +482,12 @@ class ModelRunner:
             config.max_num_scored_tokens,
             model.config.vocab_size,
         )
-        self.state = self.plan.put_replicated(BatchState.zeros(num_slots, model.config.vocab_size))
+        self.state = self.plan.put_replicated(
+            BatchState.zeros(num_slots, model.config.vocab_size, config.max_pages_per_seq)
+        )
         # The cpu and xla backends loop over each sequence's own context, so the page
-        # table's width costs them nothing: one context bucket (the largest) saves compiling
-        # the others.
+        # table's width costs them nothing (it stays on the device, see batch.py): one
+        # context bucket (the largest) saves compiling the others.
         self.context_buckets = (
             config.context_buckets[-1:]
             if self.backend.loops_over_own_context
@@ -497,6 +523,16 @@ class ModelRunner:
                 self.config.num_speculative_tokens,
             )
         return forwarded
+
+    def write_pages(self, writes: PageWrites) -> None:
+        """Dispatches page-table writes (max_pages_per_seq of them) on the device's copy, before
+        the step that reads them; process 0 of several sends them to the others first."""
+        if self.channel is not None:
+            self.channel.send_pages(writes)
+        if self.plan.mesh.size > 1:
+            writes = self.plan.put_replicated(writes)
+        with self.plan.activate():
+            self.state = write_pages_step(self.state, writes)
 
     def sample(
         self, forwarded: Forwarded, token_bitmask: np.ndarray | None
@@ -550,9 +586,11 @@ class ModelRunner:
         cached = max(c.start + drafting * len(c.draft_token_ids) for c in chunks)
         context = _bucket(self.context_buckets, cached, "cached tokens")
         width = sample_width(num_tokens, num_seqs, cfg.num_speculative_tokens)
-        inputs, sampling, rows = self.batch.prepare(
+        inputs, sampling, rows, page_writes = self.batch.prepare(
             chunks, num_tokens, num_seqs, context // cfg.page_size, width
         )
+        for writes in page_writes:
+            self.write_pages(writes)
         num_positions = sum(c.num_positions for c in chunks)
         logprobs = bool((sampling.num_logprobs[:num_positions] >= 0).any())
         num_scored = sum(c.num_scored for c in chunks)
@@ -614,6 +652,7 @@ class ModelRunner:
             shapes, desc="warm-up", unit="bucket", disable=not progress
         ):
             self.execute(*self.padding_inputs(num_tokens, num_seqs, context))
+        self.write_pages(PageWrites.padding(self.config.max_pages_per_seq, self.batch.num_slots))
         return len(shapes)
 
     def padding_inputs(

@@ -31,7 +31,8 @@ class StepInputs:
     positions: jax.Array  # i32[T]     position of each token in its sequence (padding: 0)
     slot_ids: jax.Array  # i32[T]     page * page_size + offset its K/V goes to (padding: sink)
     page_table: jax.Array  # i32[S, P]  first P pages of each sequence, covering at least its
-    #                                  cached tokens (padding: sink)
+    #                                  cached tokens (padding: sink). The engine's host inputs
+    #                                  leave it None: its step reads the device's (batch.py).
     seq_lens: jax.Array  # i32[S]     cached + new tokens after this step (padding rows: 0)
     query_starts: jax.Array  # i32[S+1]   offsets of each row's new tokens in token_ids
 

@@ -13,7 +13,7 @@ from workloads import record_compilations, run_varied_workload
 import ksana_jax
 from ksana_jax import LLM, SamplingParams
 from ksana_jax.pallas_kernels import linear_cpu
-from ksana_jax.runner import compile_count
+from ksana_jax.runner import ModelRunner, compile_count
 from ksana_jax.sampling_params import RequestOutputKind
 
 # Gaps between the top two logits below this are float-noise ties: batch shape may flip them.
@@ -408,8 +408,15 @@ def run_waves(model, params, **overrides):
     [{}, {"max_num_batched_tokens": 16, "token_buckets": (16,)}, SMALL_POOL],
     ids=["batched", "chunks16", "eviction"],
 )
-def test_prefix_cache_greedy_equals_cache_off(tiny_model, overrides):
+def test_prefix_cache_greedy_equals_cache_off(tiny_model, overrides, monkeypatch):
     want, _ = run_waves(tiny_model, GREEDY, enable_prefix_caching=False, **overrides)
+    written_before = []  # page writes that did not fit in their step's (a hit's pages)
+    write_pages = ModelRunner.write_pages
+    monkeypatch.setattr(
+        ModelRunner,
+        "write_pages",
+        lambda self, writes: (written_before.append(writes), write_pages(self, writes))[1],
+    )
     got, engine = run_waves(tiny_model, GREEDY, **overrides)
     prompts = FIRST_WAVE + second_wave(want[0][0])
     for prompt, g, w in zip(prompts, got, want, strict=True):
@@ -421,6 +428,13 @@ def test_prefix_cache_greedy_equals_cache_off(tiny_model, overrides):
         assert engine.pages.cache.num_evictions > 0 and stats.preemptions > 0
     assert engine.pages.num_free == engine.pages.num_usable
     assert engine.kv_cache_usage == 0.0
+    # The device's page table, written by diffs only, holds what the host's copy does.
+    batch = engine.runner.batch
+    written = np.arange(batch.page_table.shape[1]) < batch._num_pages[:, None]
+    device = np.asarray(engine.runner.state.page_table)
+    np.testing.assert_array_equal(device[written], batch.page_table[written])
+    if "token_buckets" in overrides:  # 16-token steps carry 8 + 4 writes, a hit has 10 pages
+        assert any((w.slots < batch.num_slots).any() for w in written_before)
 
 
 def test_prefix_cache_seeded_sampling_equals_cache_off(tiny_model):

@@ -123,7 +123,8 @@ def test_pallas_kernels_under_the_mesh(tiny_runs, kv_heads, backend):
 def test_no_compilation_after_warm_up_with_tp4(tiny_dirs):
     # The 2-KV-head model: its KV is split 2 ways and replicated 2 ways.
     out = run_worker("recompile", tiny_dirs[2])
-    assert out["warm"] == 2 * out["buckets"]  # a forward and a sampling program per bucket
+    # a forward and a sampling program per bucket, and the page writes run before a step
+    assert out["warm"] == 2 * out["buckets"] + 1
     assert out["after"] == out["warm"]
     assert out["compiles_after_warm_up"] == 0
     assert out["preemptions"] > 0
