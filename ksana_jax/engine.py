@@ -511,6 +511,7 @@ class LLMEngine:
             prompt_token_ids=group.samples[0].prompt_token_ids,
             outputs=completions,
             finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
             error=group.error,
             prompt_logprobs=prompt_logprobs,
         )

@@ -51,7 +51,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's)
     error: str | None = None  # set when processing this request raised (it is finished)
     prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs
 

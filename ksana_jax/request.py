@@ -43,6 +43,8 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)
     cache_salt: str = ""
     num_preemptions: int = 0
+    # Prompt tokens the prefix cache held when it was first scheduled (vLLM's; -1: not yet)
+    num_cached_tokens: int = -1
     # Speculative decoding: running fraction of proposals the target accepted (spec_decode.py)
     spec_acceptance: float = 1.0
     finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -347,6 +347,8 @@ class Scheduler:
         if n == 0 or not self._reserve_pages(request, request.num_computed_tokens + n):
             self._release(request)
             return 0
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = request.num_computed_tokens
         return n
 
     def _reserve_pages(self, request: Request, num_tokens: int) -> bool:

@@ -299,8 +299,14 @@ def scenario_multihost(paths: list[str]) -> dict | None:
         return {"followed_steps": llm.follow()}
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    # A prompt of 11 pages, twice: the second run's prefix-cache hit gains 10 pages, more
+    # than a step's page writes carry (4 rows + 32 / 8), so they go before its step.
+    long = (PROMPTS[3] * 5)[:88]
+    repeated = [llm.generate([long], params, use_tqdm=False)[0] for _ in range(2)]
     llm.close()
     return {
+        "repeated": [o.outputs[0].token_ids for o in repeated],
+        "cached_tokens": repeated[1].num_cached_tokens,
         "processes": jax.process_count(),
         "devices": jax.device_count(),
         "local_devices": jax.local_device_count(),

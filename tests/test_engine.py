@@ -437,6 +437,16 @@ def test_prefix_cache_greedy_equals_cache_off(tiny_model, overrides, monkeypatch
         assert any((w.slots < batch.num_slots).any() for w in written_before)
 
 
+def test_outputs_count_the_prompt_tokens_found_in_the_cache(tiny_model):
+    llm = LLM(tiny_model, warm_up=False, **BASE)
+    prompt = LONG_SYSTEM + SUFFIXES[0]  # 47 tokens: 11 full pages of 4
+    first, second = (llm.generate([prompt], GREEDY, use_tqdm=False)[0] for _ in range(2))
+    assert first.num_cached_tokens == 0
+    # every full page but one whose last token is the prompt's last (it must be computed)
+    assert second.num_cached_tokens == (len(prompt) - 1) // 4 * 4 == 44
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 def test_prefix_cache_seeded_sampling_equals_cache_off(tiny_model):
     params = [
         SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=10, ignore_eos=True),

@@ -176,6 +176,9 @@ def test_two_processes_generate_what_one_does(tiny_dirs, tiny_runs):
     assert (leader["processes"], leader["devices"], leader["local_devices"]) == (2, 4, 2)
     assert leader["tokens"] == tiny_runs[8]["4"]["tokens"]  # one process, 4 devices
     assert leader["tokens"] == tiny_runs[8]["1"]["tokens"]
+    # the followers wrote a prefix-cache hit's pages before the step too
+    assert leader["cached_tokens"] >= 80
+    assert leader["repeated"][0] == leader["repeated"][1]
 
 
 def _serve(model: Path, port: int, process_id: int, address: str) -> subprocess.Popen:
