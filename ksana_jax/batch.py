@@ -228,9 +228,9 @@ class PersistentBatch:
         for lo, size in pieces:
             part = step if lo == 0 else PageWrites.padding(size, self.num_slots)
             n = min(size, len(pages) - lo)
-            part.slots[:n], part.indices[:n], part.pages[:n] = (
-                slots[lo : lo + n], indices[lo : lo + n], pages[lo : lo + n]
-            )
+            part.slots[:n] = slots[lo : lo + n]
+            part.indices[:n] = indices[lo : lo + n]
+            part.pages[:n] = pages[lo : lo + n]
             parts.append(part)
         return step, parts[1:]
 
@@ -280,9 +280,7 @@ class PersistentBatch:
         seq_lens = np.zeros(num_seqs, np.int32)
         seq_lens[:n] = starts + lens
         inputs = StepInputs(token_ids, positions, slot_ids, None, seq_lens, query_starts)
-        page_writes, before = self._page_writes(
-            writes, page_writes_width(num_tokens, num_seqs, ps)
-        )
+        page_writes, before = self._page_writes(writes, page_writes_width(num_tokens, num_seqs, ps))
         # Sampled positions: each chunk's last 1 + len(drafts) tokens, chunk after chunk.
         num_drafts = np.fromiter((len(c.draft_token_ids) for c in chunks), np.int32, n)
         used = int(num_drafts.sum()) + n

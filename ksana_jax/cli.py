@@ -346,6 +346,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "(default: none, the text stays content)",
     )
     p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the "
+        "prefix cache (off by default: it tells a client whether others sent its prefix)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -402,6 +408,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     return 0
 

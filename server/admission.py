@@ -45,6 +45,7 @@ class ServerState:
     sampling: tuple[tuple[str, Any], ...] = ()  # (field, default) for fields left out
     tool_parser: str = "hermes"  # how "auto" tool calls are read (server/tool_parsers.py)
     reasoning: ThinkParser | None = None  # --reasoning-parser (server/reasoning.py)
+    prompt_tokens_details: bool = False  # usage reports cached prompt tokens
     draining: bool = False  # shutting down: no new requests
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     pending: int = 0  # engine requests (one per prompt and sample) queued or running

@@ -103,6 +103,7 @@ def create_app(
     tokenizer_processes: int = 1,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    enable_prompt_tokens_details: bool = False,
 ) -> Litestar:
     """The Litestar app serving `engine` (an AsyncEngine, warmed up or warming up).
 
@@ -110,6 +111,9 @@ def create_app(
     `tokenizer_processes`: worker processes encoding prompts (0: worker threads).
     `tool_call_parser`: how "auto" tool calls are read (tool_parsers.PARSERS); None: the one
     the chat template's format needs. `reasoning_parser`: "qwen3" | "deepseek_r1" | None.
+    `enable_prompt_tokens_details`: usage.prompt_tokens_details.cached_tokens, the prompt
+    tokens found in the prefix cache (off by default, as vLLM: it tells a client whether
+    others sent the same prefix).
     """
     check_parsers(tool_call_parser, reasoning_parser)
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
@@ -130,6 +134,7 @@ def create_app(
         tuple(sampling_defaults(engine.generation_config).items()),
         tool_call_parser or parser_for_template(engine.tokenizer.chat_template),
         ThinkParser(reasoning_parser) if reasoning_parser else None,
+        prompt_tokens_details=enable_prompt_tokens_details,
     )
     return Litestar(
         on_shutdown=[work.shutdown],

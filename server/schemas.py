@@ -174,10 +174,16 @@ class DetokenizeResponse(msgspec.Struct):
     prompt: str
 
 
-class Usage(msgspec.Struct):
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens found in the prefix cache
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # --enable-prompt-tokens-details only (vLLM's flag): cache hits say what others sent
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(msgspec.Struct):

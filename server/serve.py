@@ -49,6 +49,7 @@ def serve(
     header_timeout: float = 10,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    enable_prompt_tokens_details: bool = False,
 ) -> None:
     start = time.perf_counter()
     check_parsers(tool_call_parser, reasoning_parser)  # a bad name: fail before loading
@@ -100,6 +101,7 @@ def serve(
         limits=limits,
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
     app.on_startup.append(lambda: start_workers(app))
     stopping: list[threading.Event] = []  # the server's, once it exists

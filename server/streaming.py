@@ -55,6 +55,7 @@ class Run:
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     first_token: list[float | None] = dataclasses.field(default_factory=list)
     num_prompt_tokens: list[int] = dataclasses.field(default_factory=list)
+    num_cached_tokens: list[int] = dataclasses.field(default_factory=list)
     num_output_tokens: list[list[int]] = dataclasses.field(default_factory=list)  # [prompt][n]
 
     @classmethod
@@ -85,6 +86,7 @@ class Run:
             raise
         run.first_token = [None] * len(prompts)
         run.num_prompt_tokens = [0] * len(prompts)
+        run.num_cached_tokens = [0] * len(prompts)
         run.num_output_tokens = [[0] * params.n for _ in prompts]
         return run
 
@@ -101,7 +103,10 @@ class Run:
         """Tokens of the prompts and of everything generated so far."""
         prompt = sum(self.num_prompt_tokens)
         completion = sum(sum(counts) for counts in self.num_output_tokens)
-        return s.Usage(prompt, completion, prompt + completion)
+        details = None
+        if self.state.prompt_tokens_details:
+            details = s.PromptTokensDetails(sum(self.num_cached_tokens))
+        return s.Usage(prompt, completion, prompt + completion, details)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta output) as the engine produces them, for all prompts."""
@@ -139,6 +144,7 @@ class Run:
 
     def _count(self, i: int, delta: RequestOutput) -> None:
         self.num_prompt_tokens[i] = len(delta.prompt_token_ids)
+        self.num_cached_tokens[i] = delta.num_cached_tokens
         counts = self.num_output_tokens[i]
         for c in delta.outputs:
             counts[c.index] += len(c.token_ids)
