@@ -22,20 +22,22 @@ pytestmark = pytest.mark.skipif(not linear_cpu.available(), reason="no C++ compi
 # (O, I): tails of the 16-lane vector (I), the 4-row weight block (O), the 512-column chunk.
 FLOAT_SHAPES = [(1, 1), (7, 13), (5, 100), (33, 576), (130, 1100), (64, 1536)]
 GROUPED_SHAPES = [(1, 32), (7, 96), (33, 576), (130, 1056), (13, 1536)]  # I % 32 == 0
+G64_SHAPES = [(1, 64), (7, 128), (33, 576), (130, 1088)]  # I % 64 == 0
 ROWS = [1, 2, 3, 5, 8, 16, 33]  # register tiles of 4 rows: none, one, several, with tails
 
 
 def weight(rng: np.random.Generator, fmt: str, out: int, inp: int):
     """A random weight of format `fmt`; a "_bf16" suffix makes a quantized matrix's product
-    bfloat16's (a bfloat16 model quantized), "int8_g16" has a float32 scale per 16 columns,
-    "int4_f32" float32 scales and mins (int4's are float16)."""
+    bfloat16's (a bfloat16 model quantized), "int8_g16" / "int8_g64" have a float32 scale per
+    16 / 64 columns, "int4_f32" float32 scales and mins (int4's are float16)."""
     w = rng.standard_normal((out, inp)).astype(np.float32)
     fmt, bf16 = fmt.removesuffix("_bf16"), fmt.endswith("_bf16")
     if fmt in ("float32", "bfloat16"):
         return jnp.asarray(w, fmt)
-    if fmt in ("int8_q8_0", "int8_g16"):  # Q8_0: GGUF's blocks, a float16 scale per 32 columns
+    if fmt in ("int8_q8_0", "int8_g16", "int8_g64"):  # Q8_0: GGUF's, a float16 scale per 32
         m = quant.quantize(w, "int8")
-        group, scale_dtype = (32, np.float16) if fmt == "int8_q8_0" else (16, np.float32)
+        group = {"int8_q8_0": 32, "int8_g16": 16, "int8_g64": 64}[fmt]
+        scale_dtype = np.float16 if fmt == "int8_q8_0" else np.float32
         scales = rng.random((out, inp // group)).astype(scale_dtype) / 100
         m = quant.Int8Matrix(m.values, scales)
     elif fmt == "int4_f32":
@@ -48,13 +50,15 @@ def weight(rng: np.random.Generator, fmt: str, out: int, inp: int):
     return jax.tree.map(jnp.asarray, m)
 
 
-def reference(x: jax.Array, w) -> jax.Array:
+def reference(x: jax.Array, w, kernel: bool = True) -> jax.Array:
     """Dequantize, then a float32 dot; bfloat16 weights multiply x rounded to bfloat16. An
     int4 matrix in a bfloat16 product is dequantized to float32, not bfloat16: the kernel
-    multiplies the exact q * scale + min (Q4_1's algebra, linear_cpu.cc)."""
+    multiplies the exact q * scale + min (Q4_1's algebra, linear_cpu.cc); so is an int8 one
+    the kernel multiplies by integer dots (linear_cpu.integer_dots; with `kernel` False,
+    XLA's product, its weights rounded to bfloat16)."""
     if jnp.dtype(w.dtype) == jnp.bfloat16:  # a quantized matrix's dtype is a name
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
-    if isinstance(w, quant.Int4Matrix):
+    if isinstance(w, quant.Int4Matrix) or (kernel and linear_cpu.integer_dots(w)):
         w = quant.dequantize(w, "float32")
     elif quant.is_quantized(w):
         w = quant.dequantize(w)
@@ -70,7 +74,9 @@ def reference(x: jax.Array, w) -> jax.Array:
         "int8",
         "int8_bf16",
         "int8_q8_0",
+        "int8_q8_0_bf16",
         "int8_g16_bf16",
+        "int8_g64_bf16",
         "int4",
         "int4_bf16",
         "int4_f32",
@@ -80,6 +86,7 @@ def reference(x: jax.Array, w) -> jax.Array:
 def test_kernel_equals_the_jnp_reference(fmt):
     rng = np.random.default_rng(0)
     shapes = FLOAT_SHAPES if fmt in ("float32", "bfloat16", "int8", "int8_bf16") else GROUPED_SHAPES
+    shapes = G64_SHAPES if fmt == "int8_g64_bf16" else shapes
     kernel = jax.jit(linear_cpu.linear)
     for out, inp in shapes:
         w = weight(rng, fmt, out, inp)
@@ -109,14 +116,23 @@ def test_layers_linear_takes_the_kernel_at_few_rows_only():
     both give the reference's values."""
     rng = np.random.default_rng(2)
     bias = jnp.asarray(rng.standard_normal(33), jnp.float32)
-    for fmt in ("bfloat16", "int8", "int4"):
+    for fmt in ("bfloat16", "int8", "int8_bf16", "int4"):
         w = weight(rng, fmt, 33, 96)
-        for rows in (1, linear_cpu.MAX_ROWS[fmt], linear_cpu.MAX_ROWS[fmt] + 1):
+        most = linear_cpu.max_rows(w)
+        dots = linear_cpu.integer_dots(w)  # an int8 bfloat16 product on a CPU with VNNI
+        assert dots == (fmt == "int8_bf16" and "avx512_vnni" in linear_cpu.cpu_flags())
+        assert (
+            most == linear_cpu.MAX_ROWS["int8_integer_dots" if dots else fmt.removesuffix("_bf16")]
+        )
+        for rows in (1, most, most + 1):
             x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
             hlo = jax.jit(layers.linear).lower(x, w, bias).as_text()
-            assert (linear_cpu.TARGET in hlo) == (rows <= linear_cpu.MAX_ROWS[fmt]), (fmt, rows)
+            assert (linear_cpu.TARGET in hlo) == (rows <= most), (fmt, rows)
             got = jax.jit(layers.linear)(x, w, bias)
-            np.testing.assert_allclose(got, reference(x, w) + bias, atol=2e-5 * np.sqrt(96))
+            want = reference(x, w, kernel=rows <= most) + bias
+            scale = float(jnp.max(jnp.abs(want))) + 1  # as test_kernel_equals_the_jnp_reference
+            tolerance = 2e-6 * scale * np.sqrt(96)
+            np.testing.assert_allclose(got, want, atol=tolerance)
 
 
 @pytest.mark.parametrize(

@@ -217,7 +217,7 @@ inline bool direct(const Problem& pb) {
     case Kind::kBF16: return kDotBF16;
     case Kind::kF32: return kDirectF32;
     case Kind::kInt4: return kDirectQuant && (pb.bf16 || pb.rows <= kRowTile);
-    default: return kDirectQuant && pb.rows <= kRowTile;
+    default: return pb.int8_vnni || (kDirectQuant && pb.rows <= kRowTile);
   }
 }
 
@@ -346,6 +346,7 @@ Problem with_weight(const Problem& x_ready, const Problem& weight) {
   pb.scales_f16 = weight.scales_f16, pb.mins_f16 = weight.mins_f16;
   pb.groups = weight.groups;
   pb.vector_group = weight.vector_group;
+  pb.int8_vnni = weight.int8_vnni;
   pb.y = weight.y;
   return pb;
 }
@@ -388,14 +389,21 @@ ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
     }
   }
   if (x_dims[0] == 0) return ffi::Error::Success();
+  // x is prepared once for the call: its int8 weights take the integer dots all or none
+  bool vnni = true;
+  for (const Problem& p : problems) vnni = vnni && int8_vnni_fits(p);
+  for (Problem& p : problems) p.int8_vnni = vnni;
   Problem& pb = problems[0];
   // x as the tiles read it: a bfloat16 product multiplies x rounded to bfloat16 (XLA's dot
   // rounds it the same way), in bfloat16 for vdpbf16ps; float x is padded with zeros to
   // whole vectors when I is not a multiple of kLanes.
   const bool round_x = pb.bf16;
-  std::vector<float> padded, x_sum;
+  std::vector<float> padded, x_sum, x_scale;
   std::vector<uint16_t> x_bf16;
-  if (pb.kind == Kind::kInt4 && pb.bf16 && direct(pb)) {
+  std::vector<int16_t> x_q;
+  if (pb.int8_vnni) {
+    prepare_int8_x(x.typed_data(), pb, x_q, x_scale);
+  } else if (pb.kind == Kind::kInt4 && pb.bf16 && direct(pb)) {
     prepare_int4_x(x.typed_data(), pb, x_bf16, x_sum);
   } else if ((pb.kind == Kind::kBF16 || pb.bf16) && direct(pb)) {
     pb.x_bf16_stride = (pb.in + 31) / 32 * 32;

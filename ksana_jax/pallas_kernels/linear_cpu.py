@@ -35,13 +35,36 @@ _SYMBOL = "KsanaLinearCpu"
 
 
 @functools.cache
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX bfloat16 tiles (Linux's cpuinfo flag amx_bf16): XLA:CPU's
-    bfloat16 dot (YNNPACK) multiplies on them."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux's /proc/cpuinfo; none elsewhere)."""
     try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
+        return frozenset()
+    for line in lines:
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX bfloat16 tiles (flag amx_bf16): XLA:CPU's bfloat16 dot
+    (YNNPACK) multiplies on them."""
+    return "amx_bf16" in cpu_flags()
+
+
+def integer_dots(w: jax.Array | quant.QuantizedMatrix) -> bool:
+    """Whether the kernel multiplies int8 matrix `w` by integer dots (vpdpwssd,
+    linear_cpu_quant.h's tile_dot_int8_vnni): a bfloat16 product on a CPU with AVX512-VNNI
+    and AVX512-BF16, I a multiple of 32, one scale a row or groups of a multiple of 32
+    columns. Its weights are then exact (q * scale, not rounded to bfloat16, as int4's) and
+    x, rounded to bfloat16, is exact but for values below 2^-8 of its 64 columns' largest
+    (those within half a step of 2^(e - 15), 2^e the first power of two above it)."""
+    if not isinstance(w, quant.Int8Matrix) or jnp.dtype(w.dtype) != jnp.bfloat16:
         return False
+    inp, groups = w.shape[-1], w.scales.shape[-1]
+    fits = inp % 32 == 0 and (groups == 1 or (inp // groups) % 32 == 0)
+    return fits and {"avx512_vnni", "avx512_bf16"} <= cpu_flags()
 
 
 # Rows up to which `layers.linear` takes the kernel, by weight format: beyond them XLA's
@@ -51,11 +74,20 @@ def cpu_has_amx() -> bool:
 # past a few rows (2-core Xeon with AMX, 2026-12-02, the engine: the kernel decoded 1.10x
 # XLA's tokens/s at 8 rows, 0.84x at 16, 0.67x at 32, 0.49-0.52x at 64); without AMX (Zen 5,
 # AVX-512 BF16) the kernel was ahead up to 64 rows (1.12-1.28x at 32, 1.02-1.11x at 64).
-# int8 0.23x at 1, 0.53x at 8; int4 in a bfloat16 product, by Q4_1's algebra, 0.01-0.2x at
+# int8 by integer dots (`integer_dots`; SmolLM2 int8 decode, the engine, one process per
+# setting, alternating): the kernel 394-410 tok/s against XLA's 213-220 at 16 rows, 435-458
+# against 371-427 at 32, 449-489 against 642-670 at 64. int8 otherwise 0.23x at 1, 0.53x at
+# 8; int4 in a bfloat16 product, by Q4_1's algebra, 0.01-0.2x at
 # 1-16 rows per product at load 9-11. float32 stays on XLA's matrix-vector product: at 1 row
 # it was 1.1-3x faster than the kernel ([576, 576], [1536, 576], [576, 1536], [49152, 576],
 # weights from memory).
-MAX_ROWS = {"float32": 0, "bfloat16": 8 if cpu_has_amx() else 64, "int8": 8, "int4": 16}
+MAX_ROWS = {
+    "float32": 0,
+    "bfloat16": 8 if cpu_has_amx() else 64,
+    "int8": 8,
+    "int8_integer_dots": 32,
+    "int4": 16,
+}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 # Calls of fewer weight bytes (all of their weights together) run on the caller's thread
 # alone. XLA's pool threads started 0.1-10 ms late on this repo's loaded 2-core machine,
@@ -97,7 +129,7 @@ def takes(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> bool:
     format's MAX_ROWS, when the kernel builds here."""
     if not ENABLED or x.ndim != 2 or jax.default_backend() != "cpu" or not supports(w):
         return False
-    if x.shape[0] > MAX_ROWS[kind(w)[0]]:
+    if x.shape[0] > max_rows(w):
         return False
     mesh = jax.sharding.get_abstract_mesh()
     return (mesh.empty or mesh.size == 1) and available()
@@ -111,10 +143,14 @@ def rows_taken(params) -> int:
         return 0
     most = 0
     for w in jax.tree.leaves(params, is_leaf=quant.is_quantized):
-        fmt = w.format if quant.is_quantized(w) else jnp.dtype(w.dtype).name
-        if len(w.shape) >= 2:
-            most = max(most, MAX_ROWS.get(fmt, 0))
+        if len(w.shape) >= 2 and kind(w)[0] in MAX_ROWS:
+            most = max(most, max_rows(w))
     return most if most and available() else 0
+
+
+def max_rows(w: jax.Array | quant.QuantizedMatrix) -> int:
+    """The most rows of x at which `layers.linear` runs weight `w` through the kernel."""
+    return MAX_ROWS["int8_integer_dots" if integer_dots(w) else kind(w)[0]]
 
 
 def _operands(w: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, jax.Array, jax.Array]:

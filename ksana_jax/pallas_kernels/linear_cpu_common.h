@@ -186,6 +186,13 @@ struct Problem {
   bool bf16;  // the product is bfloat16's: x and dequantized weights rounded to bfloat16
   int64_t groups;  // G
   const int32_t* vector_group;  // int8: the group of each 16 columns (one past the end too)
+  // int8 in a bfloat16 product by vpdpwssd (tile_dot_int8_vnni): x rounded to bfloat16, then
+  // as int16 q times a power-of-two scale per 64 columns, [R, x_q_stride] / [R, x_q_blocks]
+  bool int8_vnni;
+  const int16_t* x_q;
+  int64_t x_q_stride;
+  const float* x_q_scale;
+  int64_t x_q_blocks;
   float* y;        // [R, O]
 };
 

@@ -3,6 +3,8 @@
 // algebra at any rows with the x it reads (prepare_int4_x). See linear_cpu.cc's header.
 #pragma once
 
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "linear_cpu_common.h"
@@ -183,6 +185,106 @@ inline void block_int4_bf16(const Problem& pb, int64_t o, int64_t block, float* 
                 [&](auto rt, int64_t r) { tile_dot_int4_bf16<rt>(pb, r, rows, acc); });
 }
 
+#if defined(__AVX512VNNI__)
+// int8 weights in a bfloat16 product by integer dots (vpdpwssd: 32 int16 products summed in
+// pairs into 16 int32 lanes): x, rounded to bfloat16, is an int16 q times a power-of-two
+// scale per 64 columns (prepare_int8_x): exact for every bfloat16 value within 2^8 of its
+// 64 columns' largest, within half a step of 2^(e - 15) below that (2^e the first power of
+// two above the largest); the weights widen to int16 (vpmovsxbw)
+// and are not rounded at all. Each 32 (kSpan 32) or 64 columns' int32 sums go to float32
+// times x's scale, and times the weights' where those change along the row (groups of 32 or
+// of a multiple of 64); a row's single scale multiplies the sums at the end (kSpan 0). Per
+// 64 weights and row of x that is 2 products, a conversion and a multiply-add, against the
+// dequantizing path's ~18 instructions (widen, convert, scale, round to bfloat16) that left
+// int8 bound by its vector work, not by its bytes.
+template <int RT, int kSpan>
+void tile_dot_int8_vnni(const Problem& pb, int64_t r0, const int64_t* rows, float* acc) {
+  __m512 sums[RT][kOutBlock];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
+  const int8_t* w[kOutBlock];
+  for (int j = 0; j < kOutBlock; ++j) w[j] = reinterpret_cast<const int8_t*>(pb.w) + rows[j] * pb.in;
+  const int64_t group = pb.in / pb.groups;
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t k = 0; k < pb.in; k += 64) {
+    const bool both = k + 32 < pb.in;  // I % 32 == 0 (int8_vnni_fits)
+    __m512 sx[RT];
+    __m512i x_lo[RT], x_hi[RT];  // past I: zeros (x_q's padding)
+    for (int r = 0; r < RT; ++r) {
+      const int16_t* x = pb.x_q + (r0 + r) * pb.x_q_stride + k;
+      sx[r] = _mm512_set1_ps(pb.x_q_scale[(r0 + r) * pb.x_q_blocks + k / 64]);
+      x_lo[r] = _mm512_loadu_si512(x);
+      x_hi[r] = _mm512_loadu_si512(x + 32);
+    }
+    for (int j = 0; j < kOutBlock; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + kPrefetchRows * pb.in + k), _MM_HINT_T0);
+      const __m512i w_lo =
+          _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + k)));
+      const __m512i w_hi = both ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                                      reinterpret_cast<const __m256i*>(w[j] + k + 32)))
+                                : zero;
+      if constexpr (kSpan == 32) {
+        const int64_t g = rows[j] * pb.groups + k / group;
+        const __m512 s_lo = _mm512_set1_ps(scale_value(pb.scales, pb.scales_f16, g));
+        const __m512 s_hi = both ? _mm512_set1_ps(scale_value(
+                                       pb.scales, pb.scales_f16, rows[j] * pb.groups + (k + 32) / group))
+                                 : _mm512_setzero_ps();
+        for (int r = 0; r < RT; ++r) {
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(zero, w_lo, x_lo[r]));
+          const __m512 hi = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(zero, w_hi, x_hi[r]));
+          const __m512 both_scaled = _mm512_fmadd_ps(hi, s_hi, _mm512_mul_ps(lo, s_lo));
+          sums[r][j] = _mm512_fmadd_ps(both_scaled, sx[r], sums[r][j]);
+        }
+      } else {
+        __m512 s = _mm512_set1_ps(1.0f);
+        if constexpr (kSpan == 64)
+          s = _mm512_set1_ps(scale_value(pb.scales, pb.scales_f16, rows[j] * pb.groups + k / group));
+        for (int r = 0; r < RT; ++r) {
+          const __m512i t = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(zero, w_lo, x_lo[r]), w_hi, x_hi[r]);
+          const __m512 scale = kSpan == 64 ? _mm512_mul_ps(sx[r], s) : sx[r];
+          sums[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, sums[r][j]);
+        }
+      }
+    }
+  }
+  float* out = acc + r0 * kOutBlock;
+  store_lane_sums(sums, out);
+  if constexpr (kSpan == 0)
+    for (int j = 0; j < kOutBlock; ++j) {
+      const float s = scale_value(pb.scales, pb.scales_f16, rows[j] * pb.groups);
+      for (int r = 0; r < RT; ++r) out[r * kOutBlock + j] *= s;
+    }
+}
+
+template <int kSpan>
+void block_int8_vnni_span(const Problem& pb, const int64_t* rows, float* acc) {
+  int64_t r = 0;  // tiles of 2 rows: 8 float accumulators and the x of both in registers
+  for (; r + 2 <= pb.rows; r += 2) tile_dot_int8_vnni<2, kSpan>(pb, r, rows, acc);
+  if (r < pb.rows) tile_dot_int8_vnni<1, kSpan>(pb, r, rows, acc);
+}
+
+inline void block_int8_vnni(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  int64_t rows[kOutBlock];  // rows past the block repeat its first (unused sums)
+  for (int j = 0; j < kOutBlock; ++j) rows[j] = o + (j < block ? j : 0);
+  const int64_t group = pb.in / pb.groups;
+  if (pb.groups == 1) block_int8_vnni_span<0>(pb, rows, acc);
+  else if (group % 64 == 0) block_int8_vnni_span<64>(pb, rows, acc);
+  else block_int8_vnni_span<32>(pb, rows, acc);
+}
+
+constexpr bool kInt8VNNI = true;
+#else
+constexpr bool kInt8VNNI = false;
+inline void block_int8_vnni(const Problem&, int64_t, int64_t, float*) {}
+#endif
+
+// Whether an int8 weight takes tile_dot_int8_vnni: a bfloat16 product on a CPU with
+// AVX512-VNNI, I a multiple of 32, groups of a multiple of 32 columns (or one per row).
+inline bool int8_vnni_fits(const Problem& pb) {
+  return kInt8VNNI && pb.kind == Kind::kInt8 && pb.bf16 && pb.in % 32 == 0 &&
+         (pb.groups == 1 || (pb.in / pb.groups) % 32 == 0);
+}
+
 template <Kind K, bool kBF16>
 void block_quant_rows(const Problem& pb, int64_t o, int64_t block, float* acc) {
   switch (pb.rows) {
@@ -194,7 +296,9 @@ void block_quant_rows(const Problem& pb, int64_t o, int64_t block, float* acc) {
 }
 
 inline void block_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
-  if (pb.kind == Kind::kInt8) {
+  if (pb.int8_vnni) {
+    block_int8_vnni(pb, o, block, acc);
+  } else if (pb.kind == Kind::kInt8) {
     if (pb.bf16) block_quant_rows<Kind::kInt8, true>(pb, o, block, acc);
     else block_quant_rows<Kind::kInt8, false>(pb, o, block, acc);
   } else if (pb.bf16) {
@@ -205,8 +309,59 @@ inline void block_quant(const Problem& pb, int64_t o, int64_t block, float* acc)
 }
 #else
 constexpr bool kDirectQuant = false;
+inline bool int8_vnni_fits(const Problem&) { return false; }
 inline void block_quant(const Problem&, int64_t, int64_t, float*) {}
 #endif
+
+// x for tile_dot_int8_vnni: each row rounded to bfloat16 (as XLA's dot rounds it), then per
+// 64 columns an int16 q and a power-of-two scale 2^(e - 15), 2^e the first power of two above
+// the columns' largest magnitude: |q| < 2^15, and a bfloat16 value within 2^8 of that largest
+// is exactly an integer q. Padded with zeros to whole 64 columns.
+inline void prepare_int8_x(const float* x, Problem& pb, std::vector<int16_t>& x_q,
+                           std::vector<float>& x_scale) {
+#if defined(__AVX512BF16__)
+  pb.x_q_blocks = (pb.in + 63) / 64;
+  pb.x_q_stride = pb.x_q_blocks * 64;
+  x_q.assign(pb.rows * pb.x_q_stride, 0);
+  x_scale.assign(pb.rows * pb.x_q_blocks, 0.0f);
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t r = 0; r < pb.rows; ++r)
+    for (int64_t b = 0; b < pb.x_q_blocks; ++b) {
+      const int64_t k0 = b * 64, n = std::min<int64_t>(64, pb.in - k0);
+      __m512 v[4];
+      __m512 largest = _mm512_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        const int64_t left = n - 16 * i;
+        const __mmask16 m = left >= 16 ? 0xffff
+                            : left <= 0 ? 0
+                                        : static_cast<__mmask16>((1u << left) - 1);
+        const __m512 f = _mm512_maskz_loadu_ps(m, x + r * pb.in + k0 + 16 * i);
+        // to bfloat16 and back: to nearest even, as XLA's convert
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(f);
+        v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        largest = _mm512_max_ps(largest, _mm512_and_ps(v[i], magnitude));
+      }
+      const float top = _mm512_reduce_max_ps(largest);
+      float scale = 1.0f;
+      if (!std::isfinite(top)) {
+        scale = std::numeric_limits<float>::quiet_NaN();  // a NaN or infinity: y is NaN
+      } else if (top > 0.0f) {
+        int e;
+        std::frexp(top, &e);  // top < 2^e
+        scale = std::ldexp(1.0f, e - 15);
+      }
+      x_scale[r * pb.x_q_blocks + b] = scale;
+      if (!std::isfinite(scale)) continue;
+      const __m512 inverse = _mm512_set1_ps(1.0f / scale);  // a power of two: exact
+      int16_t* q = x_q.data() + r * pb.x_q_stride + k0;
+      for (int i = 0; i < 4; ++i)  // to nearest even (MXCSR's default), then to int16
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i),
+                            _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], inverse))));
+    }
+  pb.x_q = x_q.data();
+  pb.x_q_scale = x_scale.data();
+#endif
+}
 
 // x for tile_dot_int4_bf16: rounded to bfloat16 (vcvtne2ps2bf16: to nearest even, as XLA's
 // convert), permuted and padded with zeros to whole 16 groups (Problem::x_bf16), and its sums
