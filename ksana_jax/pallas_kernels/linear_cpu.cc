@@ -13,7 +13,9 @@
 // weight byte read once. An item walks its rows kOutBlock at a time. The direct paths --
 // bfloat16 (vdpbf16ps), float32 (FMA), int4 in a bfloat16 product at any rows (Q4_1's
 // algebra: the 4-bit values go to vdpbf16ps as exact bfloat16 1 + q / 16, the scales and
-// minimums are applied per group after the dot; tile_dot_int4_bf16), and int8 / int4 in a
+// minimums are applied per group after the dot; tile_dot_int4_bf16), int8 in a bfloat16
+// product at any rows by integer dots where the CPU has AVX512-VNNI (x as 16-bit integers per
+// 64 columns, tile_dot_int8_vnni), and int8 / int4 in a
 // float32 product at up to kRowTile rows -- multiply the block's rows straight from memory
 // (dequantized in registers), prefetching kPrefetchRows ahead. Otherwise (int8 at more
 // rows, int4 in a float32 product at more rows, or no AVX512-BF16) each block goes kChunk
