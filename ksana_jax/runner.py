@@ -3,7 +3,8 @@
 In: the scheduler's chunks. Out: one sampled token (+ logprobs) per row, and the prompt
 logprobs of the positions the chunks score (sampling.score_prompt). The runner owns the
 params, the KV array and the persistent batch (batch.py: host rows per slot, and the device's
-BatchState: last sampled tokens and penalty counts). A step is two programs, as SGLang's:
+BatchState: last sampled tokens, penalty counts and the page table). A step is two programs,
+as SGLang's:
 
     dispatch(chunks)          [write_pages_step: a prefix-cache hit's pages, when they do not
                               fit in the step's page writes               (BatchState donated)]
