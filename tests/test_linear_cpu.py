@@ -120,7 +120,7 @@ def test_layers_linear_takes_the_kernel_at_few_rows_only():
         w = weight(rng, fmt, 33, 96)
         most = linear_cpu.max_rows(w)
         dots = linear_cpu.integer_dots(w)  # an int8 bfloat16 product on a CPU with VNNI
-        assert dots == (fmt == "int8_bf16" and "avx512_vnni" in linear_cpu.cpu_flags())
+        assert dots == (fmt == "int8_bf16" and "avx512_vnni" in cpu_build.cpu_flags())
         assert (
             most == linear_cpu.MAX_ROWS["int8_integer_dots" if dots else fmt.removesuffix("_bf16")]
         )

@@ -37,15 +37,17 @@ def _compile_command(source: Path, output: Path) -> list[str]:
     return [*compiler, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(output)]
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (Linux), so a cache shared across machines rebuilds."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux's /proc/cpuinfo; none elsewhere): part of a library's
+    key, so a cache shared across machines rebuilds, and what a kernel's paths depend on."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return line
+                return frozenset(line.partition(":")[2].split())
     except OSError:
         pass
-    return platform.processor()
+    return frozenset()
 
 
 def _source_bytes(source: Path) -> list[bytes]:
@@ -71,7 +73,8 @@ def library_path(source: Path) -> Path:
     key = hashlib.sha256()
     for part in (*_source_bytes(source), " ".join(_compile_command(Path("x"), Path("y"))).encode()):
         key.update(part)
-    key.update(f"{jaxlib.__version__} {platform.machine()} {_cpu_flags()}".encode())
+    flags = " ".join(sorted(cpu_flags())) or platform.processor()
+    key.update(f"{jaxlib.__version__} {platform.machine()} {flags}".encode())
     path = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path

@@ -34,23 +34,10 @@ TARGET = "ksana_linear_cpu"
 _SYMBOL = "KsanaLinearCpu"
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (Linux's /proc/cpuinfo; none elsewhere)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return frozenset()
-    for line in lines:
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
-
-
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX bfloat16 tiles (flag amx_bf16): XLA:CPU's bfloat16 dot
     (YNNPACK) multiplies on them."""
-    return "amx_bf16" in cpu_flags()
+    return "amx_bf16" in cpu_build.cpu_flags()
 
 
 def integer_dots(w: jax.Array | quant.QuantizedMatrix) -> bool:
@@ -64,7 +51,7 @@ def integer_dots(w: jax.Array | quant.QuantizedMatrix) -> bool:
         return False
     inp, groups = w.shape[-1], w.scales.shape[-1]
     fits = inp % 32 == 0 and (groups == 1 or (inp // groups) % 32 == 0)
-    return fits and {"avx512_vnni", "avx512_bf16"} <= cpu_flags()
+    return fits and {"avx512_vnni", "avx512_bf16"} <= cpu_build.cpu_flags()
 
 
 # Rows up to which `layers.linear` takes the kernel, by weight format: beyond them XLA's
