@@ -6,6 +6,7 @@ rows 1-33."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -50,20 +51,42 @@ def weight(rng: np.random.Generator, fmt: str, out: int, inp: int):
     return jax.tree.map(jnp.asarray, m)
 
 
+def integer_x(x: np.ndarray, w) -> np.ndarray:
+    """x (in bfloat16) as the kernel's integer dots take it (linear_cpu.x_step): each run of
+    columns rounded to nearest even on the grid 2^(e - bits + 1), 2^e the first power of two
+    above the run's largest magnitude."""
+    columns, bits = linear_cpu.x_step(w)
+    x = np.array(x, np.float64)
+    for k in range(0, x.shape[1], columns):
+        run = x[:, k : k + columns]
+        exponent = np.frexp(np.abs(run).max(axis=1, keepdims=True))[1]  # largest < 2^e
+        step = np.ldexp(1.0, exponent - bits + 1)
+        x[:, k : k + columns] = np.round(run / step) * step  # numpy rounds half to even
+    return x.astype(np.float32)
+
+
 def reference(x: jax.Array, w, kernel: bool = True) -> jax.Array:
     """Dequantize, then a float32 dot; bfloat16 weights multiply x rounded to bfloat16. An
-    int4 matrix in a bfloat16 product is dequantized to float32, not bfloat16: the kernel
-    multiplies the exact q * scale + min (Q4_1's algebra, linear_cpu.cc); so is an int8 one
-    the kernel multiplies by integer dots (linear_cpu.integer_dots; with `kernel` False,
-    XLA's product, its weights rounded to bfloat16)."""
+    int4 matrix in a bfloat16 product is dequantized to float32, not bfloat16, and so is an
+    int8 one the kernel multiplies by integer dots (linear_cpu.integer_dots): the kernel
+    multiplies the exact q * scale (+ min), by x rounded further as it does (`integer_x`) --
+    but for int4's minimums, which multiply x's exact sums per group; with `kernel` False,
+    XLA's product, int8 weights rounded to bfloat16."""
+    dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
     if jnp.dtype(w.dtype) == jnp.bfloat16:  # a quantized matrix's dtype is a name
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
-    if isinstance(w, quant.Int4Matrix) or (kernel and linear_cpu.integer_dots(w)):
+    if kernel and linear_cpu.integer_dots(w):
+        x_int = jnp.asarray(integer_x(x, w))
+        y = dot(x_int, quant.dequantize(w, "float32").T)
+        if isinstance(w, quant.Int4Matrix):  # the minimums' term: x's own sums, not x_int's
+            mins = jnp.repeat(w.mins.astype(jnp.float32), 32, axis=1)
+            y = y + dot(x - x_int, mins.T)
+        return y
+    if isinstance(w, quant.Int4Matrix):
         w = quant.dequantize(w, "float32")
     elif quant.is_quantized(w):
         w = quant.dequantize(w)
-    w = w.astype(jnp.float32)
-    return jnp.dot(x, w.T, precision=jax.lax.Precision.HIGHEST)
+    return dot(x, w.astype(jnp.float32).T)
 
 
 @pytest.mark.parametrize(
@@ -121,6 +144,7 @@ def test_layers_linear_takes_the_kernel_at_few_rows_only():
         most = linear_cpu.max_rows(w)
         dots = linear_cpu.integer_dots(w)  # an int8 bfloat16 product on a CPU with VNNI
         assert dots == (fmt == "int8_bf16" and "avx512_vnni" in cpu_build.cpu_flags())
+        assert not linear_cpu.integer_dots(weight(rng, "int4", 33, 96))  # a float32 product
         assert (
             most == linear_cpu.MAX_ROWS["int8_integer_dots" if dots else fmt.removesuffix("_bf16")]
         )

@@ -77,16 +77,19 @@ def test_int4_refuses_an_input_dim_not_divisible_by_32():
         quant.quantize(np.zeros((4, 32), np.float32), "int3")
 
 
-def x_error(x: jax.Array, w: jax.Array) -> float:
-    """The most x's rounding to 16-bit integers (linear_cpu.integer_dots) can move x . w^T:
-    per 64 columns of bfloat16 x, half its step 2^(e - 15) (2^e the first power of two above
-    their largest magnitude) times the weights' magnitudes there."""
+def x_error(x: jax.Array, w: jax.Array, m: quant.QuantizedMatrix) -> float:
+    """The most x's rounding to integers for the kernel's integer dots with matrix m
+    (linear_cpu.x_step: runs of `columns` columns, integers of `bits` bits) can move x . w^T:
+    per run of bfloat16 x, half its step 2^(e - bits + 1) (2^e the first power of two above
+    the run's largest magnitude) times the weights' magnitudes there."""
+    columns, bits = linear_cpu.x_step(m)
     x = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
     w = np.abs(np.asarray(w, np.float64))
     bound = np.zeros((x.shape[0], w.shape[0]))
-    for k in range(0, x.shape[1], 64):
-        exponent = np.frexp(np.abs(x[:, k : k + 64]).max(axis=1))[1]  # largest < 2^e
-        bound += np.ldexp(0.5, exponent - 15)[:, None] * w[:, k : k + 64].sum(axis=1)[None]
+    for k in range(0, x.shape[1], columns):
+        exponent = np.frexp(np.abs(x[:, k : k + columns]).max(axis=1))[1]  # largest < 2^e
+        half_step = np.ldexp(0.5, exponent - bits + 1)
+        bound += half_step[:, None] * w[:, k : k + columns].sum(axis=1)[None]
     return float(bound.max())
 
 
@@ -101,21 +104,20 @@ def test_linear_on_quantized_equals_dequantized_matmul(fmt, dtype, rows):
     got = jax.jit(layers.linear)(x, m, b)
     dense = quant.dequantize(m)  # in dtype
     assert dense.dtype == jnp.dtype(dtype)
-    want, atol = layers.linear(x, dense, b), 1e-5
-    exact = isinstance(m, quant.Int4Matrix) or linear_cpu.integer_dots(m)
-    if exact and dtype == "bfloat16" and linear_cpu.takes(x, m):
+    want, atol, x_rounding = layers.linear(x, dense, b), 1e-5, 0.0
+    if linear_cpu.integer_dots(m) and linear_cpu.takes(x, m):
         # The CPU kernel multiplies x in bfloat16 by the exact int4 / int8 weights (not rounded
-        # to bfloat16: a kernel that rounds them is ~1e-2 off here); int4 as 16 d x.(1 + q/16)
-        # minus 16 d sum(x) per group: that cancellation costs 2-5x a float32 dot's rounding
-        # error; int8 takes x's bfloat16 values to 16-bit integers per 64 columns (`x_error`).
+        # to bfloat16: a kernel that rounds them is ~1e-2 off here), x's bfloat16 values taken
+        # to integers per run of columns (`x_error`).
         dense = quant.dequantize(m, "float32")
         want = layers.linear(x.astype(jnp.bfloat16).astype(jnp.float32), dense, b)
-        atol = 4e-5 + (x_error(x, dense) if isinstance(m, quant.Int8Matrix) else 0)
+        x_rounding = x_error(x, dense, m)
+        atol = 4e-5 + x_rounding
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=atol)
     # And against a float64 numpy product of the dequantized weights (dtype's rounding of x).
     x64 = np.asarray(x.astype(dtype).astype(jnp.float32), np.float64)
     ref = x64 @ np.asarray(dense.astype(jnp.float32), np.float64).T + np.asarray(b)
-    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4 + x_rounding)
 
 
 @pytest.mark.parametrize("fmt", quant.QUANTIZATIONS)

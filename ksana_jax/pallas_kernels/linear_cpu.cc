@@ -11,15 +11,14 @@
 // Work items: disjoint ranges of weight rows (output features), spread over XLA's intra-op
 // thread pool for a large W (parallel_bytes), so every core streams its own part of W, each
 // weight byte read once. An item walks its rows kOutBlock at a time. The direct paths --
-// bfloat16 (vdpbf16ps), float32 (FMA), int4 in a bfloat16 product at any rows (Q4_1's
-// algebra: the 4-bit values go to vdpbf16ps as exact bfloat16 1 + q / 16, the scales and
-// minimums are applied per group after the dot; tile_dot_int4_bf16), int8 in a bfloat16
-// product at any rows by integer dots where the CPU has AVX512-VNNI (x as 16-bit integers per
-// 64 columns, tile_dot_int8_vnni), and int8 / int4 in a
-// float32 product at up to kRowTile rows -- multiply the block's rows straight from memory
-// (dequantized in registers), prefetching kPrefetchRows ahead. Otherwise (int8 at more
-// rows, int4 in a float32 product at more rows, or no AVX512-BF16) each block goes kChunk
-// columns at a time:
+// bfloat16 (vdpbf16ps), float32 (FMA), int8 and int4 in a bfloat16 product at any rows by
+// integer dots where the CPU has AVX512-VNNI (int8: x as 16-bit integers per 64 columns,
+// tile_dot_int8_vnni; int4: the 4-bit values as unsigned bytes against x as two signed bytes
+// per group of 32 columns, the scales and minimums applied per group after the dot,
+// tile_dot_int4_vnni), and int8 / int4 otherwise at up to kRowTile rows -- multiply the
+// block's rows straight from memory (dequantized in registers), prefetching kPrefetchRows
+// ahead. Otherwise (more rows without integer dots, or no AVX512-BF16) each block goes
+// kChunk columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
 //            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;
 //   phase 2  for every kRowTile of x's rows (read from L1 / L2), a register tile of
@@ -218,7 +217,7 @@ inline bool direct(const Problem& pb) {
   switch (pb.kind) {
     case Kind::kBF16: return kDotBF16;
     case Kind::kF32: return kDirectF32;
-    case Kind::kInt4: return kDirectQuant && (pb.bf16 || pb.rows <= kRowTile);
+    case Kind::kInt4: return pb.int4_vnni || (kDirectQuant && pb.rows <= kRowTile);
     default: return pb.int8_vnni || (kDirectQuant && pb.rows <= kRowTile);
   }
 }
@@ -349,6 +348,7 @@ Problem with_weight(const Problem& x_ready, const Problem& weight) {
   pb.groups = weight.groups;
   pb.vector_group = weight.vector_group;
   pb.int8_vnni = weight.int8_vnni;
+  pb.int4_vnni = weight.int4_vnni;
   pb.y = weight.y;
   return pb;
 }
@@ -391,10 +391,11 @@ ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
     }
   }
   if (x_dims[0] == 0) return ffi::Error::Success();
-  // x is prepared once for the call: its int8 weights take the integer dots all or none
-  bool vnni = true;
+  // x is prepared once for the call: its int8 (int4) weights take the integer dots all or none
+  bool vnni = true, int4_vnni = true;
   for (const Problem& p : problems) vnni = vnni && int8_vnni_fits(p);
-  for (Problem& p : problems) p.int8_vnni = vnni;
+  for (const Problem& p : problems) int4_vnni = int4_vnni && int4_vnni_fits(p);
+  for (Problem& p : problems) p.int8_vnni = vnni, p.int4_vnni = int4_vnni;
   Problem& pb = problems[0];
   // x as the tiles read it: a bfloat16 product multiplies x rounded to bfloat16 (XLA's dot
   // rounds it the same way), in bfloat16 for vdpbf16ps; float x is padded with zeros to
@@ -403,10 +404,11 @@ ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
   std::vector<float> padded, x_sum, x_scale;
   std::vector<uint16_t> x_bf16;
   std::vector<int16_t> x_q;
+  std::vector<int8_t> x_q4;
   if (pb.int8_vnni) {
     prepare_int8_x(x.typed_data(), pb, x_q, x_scale);
-  } else if (pb.kind == Kind::kInt4 && pb.bf16 && direct(pb)) {
-    prepare_int4_x(x.typed_data(), pb, x_bf16, x_sum);
+  } else if (pb.int4_vnni) {
+    prepare_int4_xq(x.typed_data(), pb, x_q4, x_scale, x_sum);
   } else if ((pb.kind == Kind::kBF16 || pb.bf16) && direct(pb)) {
     pb.x_bf16_stride = (pb.in + 31) / 32 * 32;
     x_bf16.assign(pb.rows * pb.x_bf16_stride, 0);

@@ -41,17 +41,30 @@ def cpu_has_amx() -> bool:
 
 
 def integer_dots(w: jax.Array | quant.QuantizedMatrix) -> bool:
-    """Whether the kernel multiplies int8 matrix `w` by integer dots (vpdpwssd,
-    linear_cpu_quant.h's tile_dot_int8_vnni): a bfloat16 product on a CPU with AVX512-VNNI
-    and AVX512-BF16, I a multiple of 32, one scale a row or groups of a multiple of 32
-    columns. Its weights are then exact (q * scale, not rounded to bfloat16, as int4's) and
-    x, rounded to bfloat16, is exact but for values below 2^-8 of its 64 columns' largest
-    (those within half a step of 2^(e - 15), 2^e the first power of two above it)."""
-    if not isinstance(w, quant.Int8Matrix) or jnp.dtype(w.dtype) != jnp.bfloat16:
+    """Whether the kernel multiplies quantized matrix `w` by integer dots (a bfloat16 product
+    on a CPU with AVX512-VNNI and AVX512-BF16). Its weights are then exact (q * scale, or q *
+    scale + min for int4, not rounded to bfloat16) and x, rounded to bfloat16, is rounded
+    further to integers times a power of two (`x_step`):
+      - int8 (vpdpwssd, linear_cpu_quant.h's tile_dot_int8_vnni): I a multiple of 32, one scale
+        a row or groups of a multiple of 32 columns; x as 16-bit integers per 64 columns;
+      - int4 (vpdpbusd, tile_dot_int4_vnni): x as 15-bit integers per group of 32 columns."""
+    if not isinstance(w, quant.Int8Matrix | quant.Int4Matrix):
         return False
-    inp, groups = w.shape[-1], w.scales.shape[-1]
-    fits = inp % 32 == 0 and (groups == 1 or (inp // groups) % 32 == 0)
-    return fits and {"avx512_vnni", "avx512_bf16"} <= cpu_build.cpu_flags()
+    if jnp.dtype(w.dtype) != jnp.bfloat16:
+        return False
+    if isinstance(w, quant.Int8Matrix):
+        inp, groups = w.shape[-1], w.scales.shape[-1]
+        if not (inp % 32 == 0 and (groups == 1 or (inp // groups) % 32 == 0)):
+            return False
+    return {"avx512_vnni", "avx512_bf16"} <= cpu_build.cpu_flags()
+
+
+def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
+    """How the kernel rounds x (in bfloat16) for integer-dot matrix `w` (`integer_dots`):
+    (columns, bits): each run of `columns` columns becomes integers of magnitude below
+    2^(bits - 1) times 2^(e - bits + 1), 2^e the first power of two above the run's largest
+    magnitude, to nearest even. A bfloat16 value within 2^(bits - 9) of that largest is exact."""
+    return (32, 15) if isinstance(w, quant.Int4Matrix) else (64, 16)
 
 
 # Rows up to which `layers.linear` takes the kernel, by weight format: beyond them XLA's
@@ -64,8 +77,8 @@ def integer_dots(w: jax.Array | quant.QuantizedMatrix) -> bool:
 # int8 by integer dots (`integer_dots`; SmolLM2 int8 decode, the engine, one process per
 # setting, alternating): the kernel 394-410 tok/s against XLA's 213-220 at 16 rows, 435-458
 # against 371-427 at 32, 449-489 against 642-670 at 64. int8 otherwise 0.23x at 1, 0.53x at
-# 8; int4 in a bfloat16 product, by Q4_1's algebra, 0.01-0.2x at
-# 1-16 rows per product at load 9-11. float32 stays on XLA's matrix-vector product: at 1 row
+# 8; int4 in a bfloat16 product (then by Q4_1's algebra in bfloat16 dots; integer dots are
+# 1.1-1.8x faster) 0.01-0.2x at 1-16 rows per product at load 9-11. float32 stays on XLA's matrix-vector product: at 1 row
 # it was 1.1-3x faster than the kernel ([576, 576], [1536, 576], [576, 1536], [49152, 576],
 # weights from memory).
 MAX_ROWS = {
@@ -137,7 +150,8 @@ def rows_taken(params) -> int:
 
 def max_rows(w: jax.Array | quant.QuantizedMatrix) -> int:
     """The most rows of x at which `layers.linear` runs weight `w` through the kernel."""
-    return MAX_ROWS["int8_integer_dots" if integer_dots(w) else kind(w)[0]]
+    int8_dots = isinstance(w, quant.Int8Matrix) and integer_dots(w)
+    return MAX_ROWS["int8_integer_dots" if int8_dots else kind(w)[0]]
 
 
 def _operands(w: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -193,8 +207,9 @@ def linear(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> jax.Array:
     """x [R, I] times w [O, I] transposed -> f32[R, O]: `models.layers.linear` without a bias,
     within float32 rounding: as there, the product is in w's dtype (a quantized matrix's
     `dtype`): for bfloat16, x and the dequantized weights are rounded to bfloat16 and their
-    products summed in float32 -- but an int4 matrix's weights are not rounded: the kernel
-    multiplies x by the exact q * scale + min (closer to the float32 product than the jnp
-    path's bfloat16 weights, by up to their rounding, 2^-9 of each weight).
+    products summed in float32 -- but a matrix the kernel multiplies by integer dots
+    (`integer_dots`) is not rounded: x is multiplied by the exact q * scale (+ min) (closer to
+    the float32 product than the jnp path's bfloat16 weights, by up to their rounding, 2^-9 of
+    each weight), while x's bfloat16 values are rounded further (`x_step`).
     Raises ValueError for a weight the kernel does not take (`supports`)."""
     return linears(x, w)[0]

@@ -172,9 +172,8 @@ struct Problem {
   const float* x;  // [R, x_stride]: x, or a copy padded with zeros to a multiple of kLanes
   int64_t x_stride;
   const uint16_t* x_bf16;  // [R, x_bf16_stride]: x in bfloat16 (bfloat16 weights, kDotBF16)
-  int64_t x_bf16_stride;   // int4: columns [k..k+63] stored as k..k+15, k+32..k+47, k+16..k+31,
-                           // k+48..k+63 (the nibbles' order, tile_dot_int4_bf16), 0-padded
-  const float* x_sum;      // int4, bfloat16 product: [R, x_sum_stride] x_bf16's sum per group
+  int64_t x_bf16_stride;
+  const float* x_sum;      // int4 by integer dots: [R, x_sum_stride] x's sum per group (below)
   int64_t x_sum_stride;
   int64_t rows, in, out;  // R, I, O
   int64_t weight_bytes;    // of W (and its scales)
@@ -193,6 +192,14 @@ struct Problem {
   int64_t x_q_stride;
   const float* x_q_scale;
   int64_t x_q_blocks;
+  // int4 in a bfloat16 product by integer dots (tile_dot_int4_vnni): x rounded to bfloat16,
+  // then per group of 32 columns a 15-bit integer 128 h + l (h signed, 0 <= l < 128) times a
+  // power-of-two scale; per 4 groups 256 bytes [R, x_q4_blocks * 256] (prepare_int4_xq), the
+  // scales each 4 times, [R, x_q4_blocks * 16], and x_sum's per group sums
+  bool int4_vnni;
+  const int8_t* x_q4;
+  const float* x_q4_scale;
+  int64_t x_q4_blocks;
   float* y;        // [R, O]
 };
 
