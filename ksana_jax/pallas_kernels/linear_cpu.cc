@@ -276,7 +276,11 @@ void run_items(ffi::ThreadPool& pool, const std::vector<Problem>& problems,
   // About 4 items a worker, for balance when a core is busy elsewhere; whole register tiles.
   int64_t rows = (out + 4 * workers - 1) / (4 * workers);
   rows = std::max<int64_t>(kOutBlock, (rows + kOutBlock - 1) / kOutBlock * kOutBlock);
-  std::vector<Item> items;
+  // Kept per thread (no allocation a call); the pool's threads see it by this reference (a
+  // thread_local named in the lambda would be their own).
+  static thread_local std::vector<Item> kept_items;
+  std::vector<Item>& items = kept_items;
+  items.clear();
   for (size_t p = 0; p < problems.size(); ++p)
     for (int64_t o = 0; o < problems[p].out; o += rows)
       items.push_back({static_cast<int64_t>(p), o, std::min(problems[p].out, o + rows)});
@@ -353,6 +357,16 @@ Problem with_weight(const Problem& x_ready, const Problem& weight) {
   return pb;
 }
 
+// What a call allocates: its problems and x as the tiles read it.
+struct Scratch {
+  std::vector<Problem> problems;
+  std::vector<std::vector<int32_t>> vector_groups;
+  std::vector<float> padded, x_sum, x_scale;
+  std::vector<uint16_t> x_bf16;
+  std::vector<int16_t> x_q;
+  std::vector<int8_t> x_q4;
+};
+
 // y_i f32[R, O_i] = x . W_i^T for every weight W_i of the call, streamed as one product.
 ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
                    ffi::RemainingRets ys, bool bf16, int64_t parallel_bytes) {
@@ -360,8 +374,13 @@ ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
   if (x_dims.size() != 2) return ffi::Error::InvalidArgument("x must be a matrix");
   if (ys.size() == 0 || weights.size() != 3 * ys.size())
     return ffi::Error::InvalidArgument("each weight comes as (w, scales, mins), one result each");
-  std::vector<Problem> problems(ys.size());
-  std::vector<std::vector<int32_t>> vector_groups(ys.size());
+  // The call's scratch, kept per thread: a decode step makes ~150 calls of 10-100 us, and
+  // their allocations (and frees) were ~5% of its samples.
+  static thread_local Scratch scratch;
+  std::vector<Problem>& problems = scratch.problems;
+  problems.assign(ys.size(), Problem{});
+  std::vector<std::vector<int32_t>>& vector_groups = scratch.vector_groups;
+  vector_groups.resize(std::max(vector_groups.size(), ys.size()));
   for (size_t i = 0; i < ys.size(); ++i) {
     auto w = weights.get<ffi::AnyBuffer>(3 * i);
     auto scales = weights.get<ffi::AnyBuffer>(3 * i + 1);
@@ -401,10 +420,12 @@ ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
   // rounds it the same way), in bfloat16 for vdpbf16ps; float x is padded with zeros to
   // whole vectors when I is not a multiple of kLanes.
   const bool round_x = pb.bf16;
-  std::vector<float> padded, x_sum, x_scale;
-  std::vector<uint16_t> x_bf16;
-  std::vector<int16_t> x_q;
-  std::vector<int8_t> x_q4;
+  std::vector<float>& padded = scratch.padded;
+  std::vector<float>& x_sum = scratch.x_sum;
+  std::vector<float>& x_scale = scratch.x_scale;
+  std::vector<uint16_t>& x_bf16 = scratch.x_bf16;
+  std::vector<int16_t>& x_q = scratch.x_q;
+  std::vector<int8_t>& x_q4 = scratch.x_q4;
   if (pb.int8_vnni) {
     prepare_int8_x(x.typed_data(), pb, x_q, x_scale);
   } else if (pb.int4_vnni) {

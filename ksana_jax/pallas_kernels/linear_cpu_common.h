@@ -195,7 +195,7 @@ struct Problem {
   // int4 in a bfloat16 product by integer dots (tile_dot_int4_vnni): x rounded to bfloat16,
   // then per group of 32 columns a 15-bit integer 128 h + l (h signed, 0 <= l < 128) times a
   // power-of-two scale; per 4 groups 256 bytes [R, x_q4_blocks * 256] (prepare_int4_xq), the
-  // scales each 4 times, [R, x_q4_blocks * 16], and x_sum's per group sums
+  // scales per group [R, x_sum_stride], beside x_sum's sums
   bool int4_vnni;
   const int8_t* x_q4;
   const float* x_q4_scale;

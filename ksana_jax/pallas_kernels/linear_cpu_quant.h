@@ -200,8 +200,9 @@ inline void block_int8_vnni(const Problem& pb, int64_t o, int64_t block, float* 
 // q are the unsigned bytes as they are (a mask and a shift of 64 packed bytes give 128 of
 // them), x the signed ones, as a 15-bit integer per group of 32 columns split in two bytes,
 // 128 h + l (prepare_int4_xq), so x . q over a group is 128 (h . q) + l . q in int32, exact.
-// Per 128 weights (4 groups) and row of x: 4 products, a shift, an add, a conversion and a
-// multiply-add by the groups' scales (d times x's, each group's over its 4 lanes), against
+// Per 128 weights (4 groups) and row of x: 4 products, a shift, an add, a conversion, a
+// permute and a multiply-add by the groups' scales (d times x's, per 16 groups, each group's
+// over its 4 lanes), against
 // 2 x (widen, 2 shifts, 2 ternary logics, a permute, 2 bfloat16 dots and a multiply-add) of
 // the bfloat16 dots this replaced (the 4-bit values as exact bfloat16 1 + q / 16): ~1.6x
 // fewer vector instructions, which bound that path (1.1-1.8x faster at 1-16 rows). The
@@ -221,26 +222,26 @@ void tile_dot_int4_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
   for (int64_t c = 0; c < pb.groups; c += 16) {  // 16 groups (512 columns) at a time
     const int64_t left = pb.groups - c;
     const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-    __m512 d[kOutBlock];
+    __m512 d[RT][kOutBlock];  // the 16 groups' scales times x's, a lane a group
     for (int j = 0; j < kOutBlock; ++j) {
       const int64_t gi = rows[j] * pb.groups + c;
-      d[j] = load_groups(pb.scales, pb.scales_f16, gi, mask);  // past the row's groups: 0
+      const __m512 dj = load_groups(pb.scales, pb.scales_f16, gi, mask);  // past the row: 0
       const __m512 m = load_groups(pb.mins, pb.mins_f16, gi, mask);
-      for (int r = 0; r < RT; ++r)
-        sums[r][j] = _mm512_fmadd_ps(
-            m, _mm512_loadu_ps(pb.x_sum + (r0 + r) * pb.x_sum_stride + c), sums[r][j]);
+      for (int r = 0; r < RT; ++r) {
+        const int64_t at = (r0 + r) * pb.x_sum_stride + c;
+        d[r][j] = _mm512_mul_ps(dj, _mm512_loadu_ps(pb.x_q4_scale + at));
+        sums[r][j] = _mm512_fmadd_ps(m, _mm512_loadu_ps(pb.x_sum + at), sums[r][j]);
+      }
     }
     const int64_t quads = left >= 16 ? 4 : (left + 3) / 4;
     for (int64_t b = 0; b < quads; ++b) {
       const int64_t block = c / 4 + b;  // groups 4 block .. 4 block + 3
       const __m512i idx = _mm512_add_epi32(lane_group, _mm512_set1_epi32(static_cast<int>(4 * b)));
       __m512i h_lo[RT], h_hi[RT], l_lo[RT], l_hi[RT];
-      __m512 sx[RT];
       for (int r = 0; r < RT; ++r) {
         const int8_t* x = pb.x_q4 + ((r0 + r) * pb.x_q4_blocks + block) * 256;
         h_lo[r] = _mm512_loadu_si512(x), h_hi[r] = _mm512_loadu_si512(x + 64);
         l_lo[r] = _mm512_loadu_si512(x + 128), l_hi[r] = _mm512_loadu_si512(x + 192);
-        sx[r] = _mm512_loadu_ps(pb.x_q4_scale + ((r0 + r) * pb.x_q4_blocks + block) * 16);
       }
       for (int j = 0; j < kOutBlock; ++j) {
         const int64_t at = rows[j] * row_bytes + block * 64;
@@ -254,12 +255,12 @@ void tile_dot_int4_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
                 : _mm512_maskz_loadu_epi8(~__mmask64{0} >> (64 - (total_bytes - at)), w);
         const __m512i lo = _mm512_and_si512(bytes, low4);  // elements 0-15 of the 4 groups
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);  // 16-31
-        const __m512 scale = _mm512_permutexvar_ps(idx, d[j]);  // each group's, 4 lanes
         for (int r = 0; r < RT; ++r) {
           const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, h_lo[r]), hi, h_hi[r]);
           const __m512i l = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, l_lo[r]), hi, l_hi[r]);
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l));
-          sums[r][j] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, sx[r]), sums[r][j]);
+          const __m512 scale = _mm512_permutexvar_ps(idx, d[r][j]);  // each group's, 4 lanes
+          sums[r][j] = _mm512_fmadd_ps(dot, scale, sums[r][j]);
         }
       }
     }
@@ -381,14 +382,15 @@ inline void prepare_int8_x(const float* x, Problem& pb, std::vector<int16_t>& x_
 // 2^14, times a power-of-two scale 2^(e - 14), 2^e the first power of two above the group's
 // largest magnitude (a bfloat16 value within 2^7 of that largest is exactly such a q). Per 4
 // groups 256 bytes: h of the groups' elements 0-15 (the low nibbles' order: group after
-// group), h of elements 16-31, then l the same way; zeros past the last group.
+// group), h of elements 16-31, then l the same way; zeros past the last group. The scales
+// go beside the sums ([R, x_sum_stride]).
 inline void prepare_int4_xq(const float* x, Problem& pb, std::vector<int8_t>& x_q4,
                             std::vector<float>& x_q4_scale, std::vector<float>& x_sum) {
 #if defined(__AVX512BF16__)
   pb.x_q4_blocks = (pb.groups + 3) / 4;
   pb.x_sum_stride = (pb.groups + 15) / 16 * 16;
   x_q4.assign(pb.rows * pb.x_q4_blocks * 256, 0);
-  x_q4_scale.assign(pb.rows * pb.x_q4_blocks * 16, 0.0f);
+  x_q4_scale.assign(pb.rows * pb.x_sum_stride, 0.0f);
   x_sum.assign(pb.rows * pb.x_sum_stride, 0.0f);
   const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   const __m512i seven_bits = _mm512_set1_epi32(127);
@@ -411,9 +413,9 @@ inline void prepare_int4_xq(const float* x, Problem& pb, std::vector<int8_t>& x_
         std::frexp(top, &e);  // top < 2^e
         scale = std::ldexp(1.0f, e - 14);
       }
-      const int64_t block = r * pb.x_q4_blocks + g / 4, slot = g % 4;
-      for (int l = 0; l < 4; ++l) x_q4_scale[block * 16 + slot * 4 + l] = scale;
+      x_q4_scale[r * pb.x_sum_stride + g] = scale;
       if (!std::isfinite(scale)) continue;
+      const int64_t block = r * pb.x_q4_blocks + g / 4, slot = g % 4;
       const __m512 inverse = _mm512_set1_ps(1.0f / scale);  // a power of two: exact
       int8_t* dst = x_q4.data() + block * 256 + slot * 16;
       for (int h = 0; h < 2; ++h) {  // to nearest even (MXCSR's default), then split
