@@ -327,6 +327,25 @@ inline bool int4_vnni_fits(const Problem&) { return false; }
 inline void block_quant(const Problem&, int64_t, int64_t, float*) {}
 #endif
 
+#if defined(__AVX512BF16__)
+// 16 floats to bfloat16 and back: to nearest even, as XLA's convert.
+inline __m512 bf16_rounded(__m512 f) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(f);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// The power of two 2^(e - bits + 1) whose integer multiples of magnitude below 2^(bits - 1)
+// cover [-top, top] (2^e the first power of two above `top`, the largest magnitude of the
+// values); 1 for top 0, NaN for a NaN or infinity (the product is then NaN).
+inline float integer_step(float top, int bits) {
+  if (!std::isfinite(top)) return std::numeric_limits<float>::quiet_NaN();
+  if (top == 0.0f) return 1.0f;
+  int e;
+  std::frexp(top, &e);  // top < 2^e
+  return std::ldexp(1.0f, e - bits + 1);
+}
+
 // x for tile_dot_int8_vnni: each row rounded to bfloat16 (as XLA's dot rounds it), then per
 // 64 columns an int16 q and a power-of-two scale 2^(e - 15), 2^e the first power of two above
 // the columns' largest magnitude: |q| < 2^15, and a bfloat16 value within 2^8 of that largest
@@ -349,21 +368,10 @@ inline void prepare_int8_x(const float* x, Problem& pb, std::vector<int16_t>& x_
         const __mmask16 m = left >= 16 ? 0xffff
                             : left <= 0 ? 0
                                         : static_cast<__mmask16>((1u << left) - 1);
-        const __m512 f = _mm512_maskz_loadu_ps(m, x + r * pb.in + k0 + 16 * i);
-        // to bfloat16 and back: to nearest even, as XLA's convert
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(f);
-        v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        v[i] = bf16_rounded(_mm512_maskz_loadu_ps(m, x + r * pb.in + k0 + 16 * i));
         largest = _mm512_max_ps(largest, _mm512_and_ps(v[i], magnitude));
       }
-      const float top = _mm512_reduce_max_ps(largest);
-      float scale = 1.0f;
-      if (!std::isfinite(top)) {
-        scale = std::numeric_limits<float>::quiet_NaN();  // a NaN or infinity: y is NaN
-      } else if (top > 0.0f) {
-        int e;
-        std::frexp(top, &e);  // top < 2^e
-        scale = std::ldexp(1.0f, e - 15);
-      }
+      const float scale = integer_step(_mm512_reduce_max_ps(largest), 16);
       x_scale[r * pb.x_q_blocks + b] = scale;
       if (!std::isfinite(scale)) continue;
       const __m512 inverse = _mm512_set1_ps(1.0f / scale);  // a power of two: exact
@@ -398,21 +406,11 @@ inline void prepare_int4_xq(const float* x, Problem& pb, std::vector<int8_t>& x_
     for (int64_t g = 0; g < pb.groups; ++g) {
       const float* src = x + r * pb.in + g * 32;
       __m512 v[2];
-      for (int h = 0; h < 2; ++h) {  // to bfloat16 and back: to nearest even, as XLA's convert
-        const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + 16 * h));
-        v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-      }
+      for (int h = 0; h < 2; ++h) v[h] = bf16_rounded(_mm512_loadu_ps(src + 16 * h));
       x_sum[r * pb.x_sum_stride + g] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
-      const float top = _mm512_reduce_max_ps(
-          _mm512_max_ps(_mm512_and_ps(v[0], magnitude), _mm512_and_ps(v[1], magnitude)));
-      float scale = 1.0f;
-      if (!std::isfinite(top)) {
-        scale = std::numeric_limits<float>::quiet_NaN();  // a NaN or infinity: y is NaN
-      } else if (top > 0.0f) {
-        int e;
-        std::frexp(top, &e);  // top < 2^e
-        scale = std::ldexp(1.0f, e - 14);
-      }
+      const float scale = integer_step(_mm512_reduce_max_ps(_mm512_max_ps(
+                                           _mm512_and_ps(v[0], magnitude), _mm512_and_ps(v[1], magnitude))),
+                                       15);
       x_q4_scale[r * pb.x_sum_stride + g] = scale;
       if (!std::isfinite(scale)) continue;
       const int64_t block = r * pb.x_q4_blocks + g / 4, slot = g % 4;
