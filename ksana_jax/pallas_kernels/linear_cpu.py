@@ -78,9 +78,9 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 # setting, alternating): the kernel 394-410 tok/s against XLA's 213-220 at 16 rows, 435-458
 # against 371-427 at 32, 449-489 against 642-670 at 64. int8 otherwise 0.23x at 1, 0.53x at
 # 8; int4 in a bfloat16 product (then by Q4_1's algebra in bfloat16 dots; integer dots are
-# 1.1-1.8x faster) 0.01-0.2x at 1-16 rows per product at load 9-11. float32 stays on XLA's matrix-vector product: at 1 row
-# it was 1.1-3x faster than the kernel ([576, 576], [1536, 576], [576, 1536], [49152, 576],
-# weights from memory).
+# 1.1-1.8x faster) 0.01-0.2x at 1-16 rows per product at load 9-11. float32 stays on XLA's
+# matrix-vector product: at 1 row it was 1.1-3x faster than the kernel ([576, 576],
+# [1536, 576], [576, 1536], [49152, 576], weights from memory).
 MAX_ROWS = {
     "float32": 0,
     "bfloat16": 8 if cpu_has_amx() else 64,
