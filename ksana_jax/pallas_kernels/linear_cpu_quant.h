@@ -111,7 +111,7 @@ inline __m512 load_groups(const void* p, bool f16, int64_t i, __mmask16 mask) {
 #if defined(__AVX512VNNI__)
 // int8 weights in a bfloat16 product by integer dots (vpdpwssd: 32 int16 products summed in
 // pairs into 16 int32 lanes): x, rounded to bfloat16, is an int16 q times a power-of-two
-// scale per 64 columns (prepare_int8_x): exact for every bfloat16 value within 2^8 of its
+// scale per 64 columns (prepare_int8_x): exact for every bfloat16 value within 2^7 of its
 // 64 columns' largest, within half a step of 2^(e - 15) below that (2^e the first power of
 // two above the largest); the weights widen to int16 (vpmovsxbw)
 // and are not rounded at all. Each 32 (kSpan 32) or 64 columns' int32 sums go to float32
@@ -208,7 +208,7 @@ inline void block_int8_vnni(const Problem& pb, int64_t o, int64_t block, float* 
 // fewer vector instructions, which bound that path (1.1-1.8x faster at 1-16 rows). The
 // minimums' term m sum(x) is added per 16 groups (a lane a group: the lanes are summed at the
 // end anyway). x is exact but for values below
-// 2^-7 of its group's largest (those within half a step of 2^(e - 14), 2^e the first power of
+// 2^-6 of its group's largest (those within half a step of 2^(e - 14), 2^e the first power of
 // two above it).
 template <int RT>
 void tile_dot_int4_vnni(const Problem& pb, int64_t r0, const int64_t* rows, float* acc) {
@@ -348,8 +348,8 @@ inline float integer_step(float top, int bits) {
 
 // x for tile_dot_int8_vnni: each row rounded to bfloat16 (as XLA's dot rounds it), then per
 // 64 columns an int16 q and a power-of-two scale 2^(e - 15), 2^e the first power of two above
-// the columns' largest magnitude: |q| < 2^15, and a bfloat16 value within 2^8 of that largest
-// is exactly an integer q. Padded with zeros to whole 64 columns.
+// the columns' largest magnitude: |q| < 2^15, and a bfloat16 value within 2^7 of that largest
+// is exactly an integer q (one at least 2^(e - 8): its last bit is worth at least the step). Padded with zeros to whole 64 columns.
 inline void prepare_int8_x(const float* x, Problem& pb, std::vector<int16_t>& x_q,
                            std::vector<float>& x_scale) {
 #if defined(__AVX512BF16__)
@@ -388,7 +388,7 @@ inline void prepare_int8_x(const float* x, Problem& pb, std::vector<int16_t>& x_
 // x for tile_dot_int4_vnni: each row rounded to bfloat16 (as XLA's dot rounds it), its sums
 // per group of 32 columns (Problem::x_sum), then per group an integer q = 128 h + l, |q| <
 // 2^14, times a power-of-two scale 2^(e - 14), 2^e the first power of two above the group's
-// largest magnitude (a bfloat16 value within 2^7 of that largest is exactly such a q). Per 4
+// largest magnitude (a bfloat16 value within 2^6 of that largest is exactly such a q). Per 4
 // groups 256 bytes: h of the groups' elements 0-15 (the low nibbles' order: group after
 // group), h of elements 16-31, then l the same way; zeros past the last group. The scales
 // go beside the sums ([R, x_sum_stride]).
