@@ -217,8 +217,7 @@ inline bool direct(const Problem& pb) {
   switch (pb.kind) {
     case Kind::kBF16: return kDotBF16;
     case Kind::kF32: return kDirectF32;
-    case Kind::kInt4: return pb.int4_vnni || (kDirectQuant && pb.rows <= kRowTile);
-    default: return pb.int8_vnni || (kDirectQuant && pb.rows <= kRowTile);
+    default: return pb.integer_dots || (kDirectQuant && pb.rows <= kRowTile);  // int8, int4
   }
 }
 
@@ -351,8 +350,6 @@ Problem with_weight(const Problem& x_ready, const Problem& weight) {
   pb.scales_f16 = weight.scales_f16, pb.mins_f16 = weight.mins_f16;
   pb.groups = weight.groups;
   pb.vector_group = weight.vector_group;
-  pb.int8_vnni = weight.int8_vnni;
-  pb.int4_vnni = weight.int4_vnni;
   pb.y = weight.y;
   return pb;
 }
@@ -410,11 +407,10 @@ ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
     }
   }
   if (x_dims[0] == 0) return ffi::Error::Success();
-  // x is prepared once for the call: its int8 (int4) weights take the integer dots all or none
-  bool vnni = true, int4_vnni = true;
-  for (const Problem& p : problems) vnni = vnni && int8_vnni_fits(p);
-  for (const Problem& p : problems) int4_vnni = int4_vnni && int4_vnni_fits(p);
-  for (Problem& p : problems) p.int8_vnni = vnni, p.int4_vnni = int4_vnni;
+  // x is prepared once for the call: its weights take the integer dots all or none
+  bool integer_dots = true;
+  for (const Problem& p : problems) integer_dots = integer_dots && integer_dots_fit(p);
+  problems[0].integer_dots = integer_dots;  // the others take it from problems[0] below
   Problem& pb = problems[0];
   // x as the tiles read it: a bfloat16 product multiplies x rounded to bfloat16 (XLA's dot
   // rounds it the same way), in bfloat16 for vdpbf16ps; float x is padded with zeros to
@@ -426,9 +422,9 @@ ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
   std::vector<uint16_t>& x_bf16 = scratch.x_bf16;
   std::vector<int16_t>& x_q = scratch.x_q;
   std::vector<int8_t>& x_q4 = scratch.x_q4;
-  if (pb.int8_vnni) {
+  if (pb.integer_dots && pb.kind == Kind::kInt8) {
     prepare_int8_x(x.typed_data(), pb, x_q, x_scale);
-  } else if (pb.int4_vnni) {
+  } else if (pb.integer_dots) {
     prepare_int4_xq(x.typed_data(), pb, x_q4, x_scale, x_sum);
   } else if ((pb.kind == Kind::kBF16 || pb.bf16) && direct(pb)) {
     pb.x_bf16_stride = (pb.in + 31) / 32 * 32;

@@ -185,9 +185,10 @@ struct Problem {
   bool bf16;  // the product is bfloat16's: x and dequantized weights rounded to bfloat16
   int64_t groups;  // G
   const int32_t* vector_group;  // int8: the group of each 16 columns (one past the end too)
+  // Whether the call's int8 / int4 weights (its kind) take integer dots (integer_dots_fit)
+  bool integer_dots;
   // int8 in a bfloat16 product by vpdpwssd (tile_dot_int8_vnni): x rounded to bfloat16, then
   // as int16 q times a power-of-two scale per 64 columns, [R, x_q_stride] / [R, x_q_blocks]
-  bool int8_vnni;
   const int16_t* x_q;
   int64_t x_q_stride;
   const float* x_q_scale;
@@ -196,7 +197,6 @@ struct Problem {
   // then per group of 32 columns a 15-bit integer 128 h + l (h signed, 0 <= l < 128) times a
   // power-of-two scale; per 4 groups 256 bytes [R, x_q4_blocks * 256] (prepare_int4_xq), the
   // scales per group [R, x_sum_stride], beside x_sum's sums
-  bool int4_vnni;
   const int8_t* x_q4;
   const float* x_q4_scale;
   int64_t x_q4_blocks;

@@ -130,7 +130,7 @@ void tile_dot_int8_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
   const int64_t group = pb.in / pb.groups;
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t k = 0; k < pb.in; k += 64) {
-    const bool both = k + 32 < pb.in;  // I % 32 == 0 (int8_vnni_fits)
+    const bool both = k + 32 < pb.in;  // I % 32 == 0 (integer_dots_fit)
     __m512 sx[RT];
     __m512i x_lo[RT], x_hi[RT];  // past I: zeros (x_q's padding)
     for (int r = 0; r < RT; ++r) {
@@ -283,17 +283,15 @@ inline void block_int8_vnni(const Problem&, int64_t, int64_t, float*) {}
 inline void block_int4_vnni(const Problem&, int64_t, int64_t, float*) {}
 #endif
 
-// Whether an int8 weight takes tile_dot_int8_vnni: a bfloat16 product on a CPU with
-// AVX512-VNNI, I a multiple of 32, groups of a multiple of 32 columns (or one per row).
-inline bool int8_vnni_fits(const Problem& pb) {
-  return kVNNI && pb.kind == Kind::kInt8 && pb.bf16 && pb.in % 32 == 0 &&
+// Whether a weight takes integer dots (where the CPU has AVX512-VNNI, in a bfloat16 product):
+// int8 (tile_dot_int8_vnni) with I a multiple of 32 and groups of a multiple of 32 columns
+// (or one per row); int4 (tile_dot_int4_vnni) always -- every CPU with AVX512-BF16 so far has
+// VNNI; else tile_dot_quant, at up to kRowTile rows.
+inline bool integer_dots_fit(const Problem& pb) {
+  if (!kVNNI || !pb.bf16) return false;
+  if (pb.kind == Kind::kInt4) return true;
+  return pb.kind == Kind::kInt8 && pb.in % 32 == 0 &&
          (pb.groups == 1 || (pb.in / pb.groups) % 32 == 0);
-}
-
-// Whether an int4 weight takes tile_dot_int4_vnni: a bfloat16 product on a CPU with
-// AVX512-VNNI (every CPU with AVX512-BF16 so far: else tile_dot_quant, at up to kRowTile rows).
-inline bool int4_vnni_fits(const Problem& pb) {
-  return kVNNI && pb.kind == Kind::kInt4 && pb.bf16;
 }
 
 template <Kind K, bool kBF16>
@@ -307,12 +305,12 @@ void block_quant_rows(const Problem& pb, int64_t o, int64_t block, float* acc) {
 }
 
 inline void block_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
-  if (pb.int8_vnni) {
+  if (pb.integer_dots && pb.kind == Kind::kInt8) {
     block_int8_vnni(pb, o, block, acc);
   } else if (pb.kind == Kind::kInt8) {
     if (pb.bf16) block_quant_rows<Kind::kInt8, true>(pb, o, block, acc);
     else block_quant_rows<Kind::kInt8, false>(pb, o, block, acc);
-  } else if (pb.int4_vnni) {
+  } else if (pb.integer_dots) {
     block_int4_vnni(pb, o, block, acc);
   } else if (pb.bf16) {
     block_quant_rows<Kind::kInt4, true>(pb, o, block, acc);
@@ -322,8 +320,7 @@ inline void block_quant(const Problem& pb, int64_t o, int64_t block, float* acc)
 }
 #else
 constexpr bool kDirectQuant = false;
-inline bool int8_vnni_fits(const Problem&) { return false; }
-inline bool int4_vnni_fits(const Problem&) { return false; }
+inline bool integer_dots_fit(const Problem&) { return false; }
 inline void block_quant(const Problem&, int64_t, int64_t, float*) {}
 #endif
 
