@@ -16,9 +16,9 @@
 // tile_dot_int8_vnni; int4: the 4-bit values as unsigned bytes against x as two signed bytes
 // per group of 32 columns, the scales and minimums applied per group after the dot,
 // tile_dot_int4_vnni), and int8 / int4 otherwise at up to kRowTile rows -- multiply the
-// block's rows straight from memory (dequantized in registers), prefetching kPrefetchRows
-// ahead. Otherwise (more rows without integer dots, or no AVX512-BF16) each block goes
-// kChunk columns at a time:
+// block's rows straight from memory (dequantized in registers), prefetching the bytes after
+// the block in address order (Ahead). Otherwise (more rows without integer dots, or no
+// AVX512-BF16) each block goes kChunk columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
 //            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;
 //   phase 2  for every kRowTile of x's rows (read from L1 / L2), a register tile of
@@ -147,10 +147,11 @@ void tile_dot_bf16(const Problem& pb, int64_t r0, const uint16_t* const* w, floa
     for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
   const int64_t full = pb.in - pb.in % 32;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (pb.in % 32)) - 1);
+  Ahead ahead(w[0], 2 * pb.in);
   for (int64_t k = 0; k < pb.in; k += 32) {
     __m512i wv[kOutBlock];
     for (int j = 0; j < kOutBlock; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[j] + kPrefetchRows * pb.in + k), _MM_HINT_T0);
+      ahead.step();
       wv[j] = k < full ? _mm512_loadu_si512(w[j] + k) : _mm512_maskz_loadu_epi16(tail, w[j] + k);
     }
     for (int r = 0; r < RT; ++r) {
@@ -185,10 +186,11 @@ void tile_dot_f32(const Problem& pb, int64_t r0, const float* const* w, float* a
     for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
   const int64_t full = pb.in - pb.in % kLanes;
   const __mmask16 tail = static_cast<__mmask16>((1u << (pb.in % kLanes)) - 1);
+  Ahead ahead(w[0], 4 * pb.in);
   for (int64_t k = 0; k < pb.in; k += kLanes) {
     __m512 wv[kOutBlock];
     for (int j = 0; j < kOutBlock; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[j] + kPrefetchRows * pb.in + k), _MM_HINT_T0);
+      ahead.step();
       wv[j] = k < full ? _mm512_loadu_ps(w[j] + k) : _mm512_maskz_loadu_ps(tail, w[j] + k);
     }
     for (int r = 0; r < RT; ++r) {

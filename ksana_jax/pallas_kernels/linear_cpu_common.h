@@ -16,9 +16,9 @@ namespace ksana_linear_cpu {
 
 constexpr int kLanes = 16;     // floats per vector (one AVX-512 register, two AVX2 ones)
 constexpr int kOutBlock = 4;   // weight rows per register tile
-// The direct paths prefetch the weight rows this far ahead (a prefetch past W's end is
-// dropped: it does not fault).
-constexpr int kPrefetchRows = 2 * kOutBlock;
+// The direct paths prefetch the weights this many bytes past the next block's start (a
+// prefetch past W's end is dropped: it does not fault). See Ahead.
+constexpr int64_t kAheadBytes = 2048;
 constexpr int kChunk = 512;    // columns dequantized at a time (a multiple of 32)
 #if defined(__AVX512F__)
 constexpr int kRowTile = 4;    // x rows per register tile: 16 accumulators of 32 registers
@@ -165,6 +165,24 @@ inline void for_row_tiles(int64_t rows, Tile tile) {
     case 1: tile(std::integral_constant<int, 1>{}, r); break;
   }
 }
+
+#if defined(__AVX512F__)
+// The direct paths' prefetching. A tile reads its block's kOutBlock weight rows side by side,
+// a vector of each in turn: kOutBlock streams a row apart, which the hardware's prefetchers
+// follow poorly (Zen 4, rows of 0.75-1.2 KB: ~10 GB/s a core, against ~24 for one sequential
+// stream). A block's rows are adjacent in memory, so a tile prefetches the bytes after its
+// block in address order instead, one 64-byte line for each line it reads.
+struct Ahead {
+  // For the block whose first row starts at `block` (rows of `row_bytes`).
+  Ahead(const void* block, int64_t row_bytes)
+      : at(static_cast<const char*>(block) + kOutBlock * row_bytes + kAheadBytes) {}
+  void step() {
+    _mm_prefetch(at, _MM_HINT_T0);
+    at += 64;
+  }
+  const char* at;
+};
+#endif
 
 enum class Kind { kF32, kBF16, kInt8, kInt4 };
 

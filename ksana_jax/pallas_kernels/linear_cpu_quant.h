@@ -34,6 +34,10 @@ void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
     for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
   float s[kOutBlock][2];    // int8: the scales of this step's two vectors of 16 columns
   int32_t g[2] = {-1, -1};  // and their groups
+  const int64_t row_bytes = K == Kind::kInt8 ? pb.in : pb.in / 2;
+  Ahead ahead(static_cast<const char*>(pb.w) + o * row_bytes, row_bytes);
+  // A step reads 32 bytes of each row (int8) or 16 (int4): a line every 2 or 4 steps.
+  constexpr int64_t kLineColumns = K == Kind::kInt8 ? 64 : 128;
   for (int64_t k = 0; k < pb.in; k += 32) {
     __m512 lo[kOutBlock], hi[kOutBlock];  // columns k..k+15 and k+16..k+31
     if constexpr (K == Kind::kInt8) {
@@ -50,7 +54,7 @@ void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
           left >= 32 ? 0xffff : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
       for (int j = 0; j < kOutBlock; ++j) {
         const int8_t* w = reinterpret_cast<const int8_t*>(pb.w) + rows[j] * pb.in + k;
-        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * pb.in), _MM_HINT_T0);
+        if (k % kLineColumns == 0) ahead.step();
         // Masked loads only at the tail: from memory they were ~10x slower here.
         const __m128i b_lo = left >= 32 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w))
                                         : _mm_maskz_loadu_epi8(m_lo, w);
@@ -69,7 +73,7 @@ void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
         const __m512 sc = _mm512_set1_ps(scale_value(pb.scales, pb.scales_f16, gi));
         const __m512 mn = _mm512_set1_ps(scale_value(pb.mins, pb.mins_f16, gi));
         const uint8_t* w = reinterpret_cast<const uint8_t*>(pb.w) + (rows[j] * pb.in + k) / 2;
-        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * pb.in / 2), _MM_HINT_T0);
+        if (k % kLineColumns == 0) ahead.step();
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
         const __m128i q_lo = _mm_and_si128(b, low4);
         const __m128i q_hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
@@ -129,6 +133,7 @@ void tile_dot_int8_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
   for (int j = 0; j < kOutBlock; ++j) w[j] = reinterpret_cast<const int8_t*>(pb.w) + rows[j] * pb.in;
   const int64_t group = pb.in / pb.groups;
   const __m512i zero = _mm512_setzero_si512();
+  Ahead ahead(w[0], pb.in);
   for (int64_t k = 0; k < pb.in; k += 64) {
     const bool both = k + 32 < pb.in;  // I % 32 == 0 (integer_dots_fit)
     __m512 sx[RT];
@@ -140,7 +145,7 @@ void tile_dot_int8_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
       x_hi[r] = _mm512_loadu_si512(x + 32);
     }
     for (int j = 0; j < kOutBlock; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[j] + kPrefetchRows * pb.in + k), _MM_HINT_T0);
+      ahead.step();
       const __m512i w_lo =
           _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + k)));
       const __m512i w_hi = both ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(
@@ -216,6 +221,7 @@ void tile_dot_int4_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
   for (int r = 0; r < RT; ++r)
     for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
   const int64_t row_bytes = pb.in / 2, total_bytes = pb.out * row_bytes;
+  Ahead ahead(static_cast<const char*>(pb.w) + rows[0] * row_bytes, row_bytes);
   const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
   const __m512i lane_group = _mm512_srli_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
@@ -246,7 +252,7 @@ void tile_dot_int4_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
       for (int j = 0; j < kOutBlock; ++j) {
         const int64_t at = rows[j] * row_bytes + block * 64;
         const uint8_t* w = reinterpret_cast<const uint8_t*>(pb.w) + at;
-        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * row_bytes), _MM_HINT_T0);
+        ahead.step();
         // Past the row's last group the bytes are the next row's (x there is 0, and so is
         // the product: integers), up to the matrix's end, where the load is masked.
         const __m512i bytes =
