@@ -147,7 +147,7 @@ void tile_dot_bf16(const Problem& pb, int64_t r0, const uint16_t* const* w, floa
     for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
   const int64_t full = pb.in - pb.in % 32;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (pb.in % 32)) - 1);
-  Ahead ahead(w[0], 2 * pb.in);
+  Ahead ahead(w[0], pb.row_bytes);
   for (int64_t k = 0; k < pb.in; k += 32) {
     __m512i wv[kOutBlock];
     for (int j = 0; j < kOutBlock; ++j) {
@@ -186,7 +186,7 @@ void tile_dot_f32(const Problem& pb, int64_t r0, const float* const* w, float* a
     for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
   const int64_t full = pb.in - pb.in % kLanes;
   const __mmask16 tail = static_cast<__mmask16>((1u << (pb.in % kLanes)) - 1);
-  Ahead ahead(w[0], 4 * pb.in);
+  Ahead ahead(w[0], pb.row_bytes);
   for (int64_t k = 0; k < pb.in; k += kLanes) {
     __m512 wv[kOutBlock];
     for (int j = 0; j < kOutBlock; ++j) {
@@ -336,6 +336,7 @@ ffi::Error weight_problem(const ffi::AnyBuffer& w, const ffi::AnyBuffer& scales,
         "int8: scales [O, G] float32/16, G = 1 or I / G a multiple of 16");
   pb.bf16 = bf16 || pb.kind == Kind::kBF16;
   pb.weight_bytes = w.size_bytes() + scales.size_bytes() + mins.size_bytes();
+  pb.row_bytes = pb.out ? w.size_bytes() / pb.out : 0;
   if (pb.bf16 && pb.kind == Kind::kF32)
     return ffi::Error::InvalidArgument("bf16 is for bfloat16 or quantized weights");
   return ffi::Error::Success();
@@ -347,6 +348,7 @@ Problem with_weight(const Problem& x_ready, const Problem& weight) {
   Problem pb = x_ready;
   pb.out = weight.out;
   pb.weight_bytes = weight.weight_bytes;
+  pb.row_bytes = weight.row_bytes;
   pb.w = weight.w;
   pb.scales = weight.scales, pb.mins = weight.mins;
   pb.scales_f16 = weight.scales_f16, pb.mins_f16 = weight.mins_f16;

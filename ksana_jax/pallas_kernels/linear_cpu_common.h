@@ -195,6 +195,7 @@ struct Problem {
   int64_t x_sum_stride;
   int64_t rows, in, out;  // R, I, O
   int64_t weight_bytes;    // of W (and its scales)
+  int64_t row_bytes;       // of a row of W
   Kind kind;
   const char* w;
   const void* scales;  // [O, G] float32 or float16 (int8, int4)
