@@ -147,7 +147,7 @@ void tile_dot_bf16(const Problem& pb, int64_t r0, const uint16_t* const* w, floa
     for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
   const int64_t full = pb.in - pb.in % 32;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (pb.in % 32)) - 1);
-  Ahead ahead(w[0], pb.row_bytes);
+  Ahead ahead(w[0], pb.row_bytes, r0 == 0);
   for (int64_t k = 0; k < pb.in; k += 32) {
     __m512i wv[kOutBlock];
     for (int j = 0; j < kOutBlock; ++j) {
@@ -186,7 +186,7 @@ void tile_dot_f32(const Problem& pb, int64_t r0, const float* const* w, float* a
     for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
   const int64_t full = pb.in - pb.in % kLanes;
   const __mmask16 tail = static_cast<__mmask16>((1u << (pb.in % kLanes)) - 1);
-  Ahead ahead(w[0], pb.row_bytes);
+  Ahead ahead(w[0], pb.row_bytes, r0 == 0);
   for (int64_t k = 0; k < pb.in; k += kLanes) {
     __m512 wv[kOutBlock];
     for (int j = 0; j < kOutBlock; ++j) {

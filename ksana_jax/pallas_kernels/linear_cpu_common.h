@@ -171,12 +171,15 @@ inline void for_row_tiles(int64_t rows, Tile tile) {
 // a vector of each in turn: kOutBlock streams a row apart, which the hardware's prefetchers
 // follow poorly (Zen 4, rows of 0.75-1.2 KB: ~10 GB/s a core, against ~24 for one sequential
 // stream). A block's rows are adjacent in memory, so a tile prefetches the bytes after its
-// block in address order instead, one 64-byte line for each line it reads.
+// block in address order instead, one 64-byte line for each line it reads. Only a block's
+// first tile of x's rows does (`first`): the others read what it has read.
 struct Ahead {
   // For the block whose first row starts at `block` (rows of `row_bytes`).
-  Ahead(const void* block, int64_t row_bytes)
-      : at(static_cast<const char*>(block) + kOutBlock * row_bytes + kAheadBytes) {}
+  Ahead(const void* block, int64_t row_bytes, bool first)
+      : at(first ? static_cast<const char*>(block) + kOutBlock * row_bytes + kAheadBytes
+                 : nullptr) {}
   void step() {
+    if (at == nullptr) return;
     _mm_prefetch(at, _MM_HINT_T0);
     at += 64;
   }

@@ -34,7 +34,7 @@ void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
     for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
   float s[kOutBlock][2];    // int8: the scales of this step's two vectors of 16 columns
   int32_t g[2] = {-1, -1};  // and their groups
-  Ahead ahead(pb.w + o * pb.row_bytes, pb.row_bytes);
+  Ahead ahead(pb.w + o * pb.row_bytes, pb.row_bytes, true);  // one tile of all rows
   // A step reads 32 bytes of each row (int8) or 16 (int4): a line every 2 or 4 steps.
   constexpr int64_t kLineColumns = K == Kind::kInt8 ? 64 : 128;
   for (int64_t k = 0; k < pb.in; k += 32) {
@@ -132,7 +132,7 @@ void tile_dot_int8_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
   for (int j = 0; j < kOutBlock; ++j) w[j] = reinterpret_cast<const int8_t*>(pb.w) + rows[j] * pb.in;
   const int64_t group = pb.in / pb.groups;
   const __m512i zero = _mm512_setzero_si512();
-  Ahead ahead(w[0], pb.row_bytes);
+  Ahead ahead(w[0], pb.row_bytes, r0 == 0);
   for (int64_t k = 0; k < pb.in; k += 64) {
     const bool both = k + 32 < pb.in;  // I % 32 == 0 (integer_dots_fit)
     __m512 sx[RT];
@@ -220,7 +220,7 @@ void tile_dot_int4_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
   for (int r = 0; r < RT; ++r)
     for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
   const int64_t row_bytes = pb.row_bytes, total_bytes = pb.out * row_bytes;
-  Ahead ahead(pb.w + rows[0] * row_bytes, row_bytes);
+  Ahead ahead(pb.w + rows[0] * row_bytes, row_bytes, r0 == 0);
   const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
   const __m512i lane_group = _mm512_srli_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
