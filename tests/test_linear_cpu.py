@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_on_cpu_devices
+from conftest import integer_x, run_on_cpu_devices
 
 from ksana_jax import quant
 from ksana_jax.models import layers
@@ -49,20 +49,6 @@ def weight(rng: np.random.Generator, fmt: str, out: int, inp: int):
     if bf16:
         m = dataclasses.replace(m, dtype="bfloat16")
     return jax.tree.map(jnp.asarray, m)
-
-
-def integer_x(x: np.ndarray, w) -> np.ndarray:
-    """x (in bfloat16) as the kernel's integer dots take it (linear_cpu.x_step): each run of
-    columns rounded to nearest even on the grid 2^(e - bits + 1), 2^e the first power of two
-    above the run's largest magnitude."""
-    columns, bits = linear_cpu.x_step(w)
-    x = np.array(x, np.float64)
-    for k in range(0, x.shape[1], columns):
-        run = x[:, k : k + columns]
-        exponent = np.frexp(np.abs(run).max(axis=1, keepdims=True))[1]  # largest < 2^e
-        step = np.ldexp(1.0, exponent - bits + 1)
-        x[:, k : k + columns] = np.round(run / step) * step  # numpy rounds half to even
-    return x.astype(np.float32)
 
 
 def reference(x: jax.Array, w, kernel: bool = True) -> jax.Array:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_on_cpu_devices, write_tiny_hf
+from conftest import integer_x, run_on_cpu_devices, write_tiny_hf
 
 from ksana_jax import quant
 from ksana_jax.models import layers
@@ -112,11 +112,15 @@ def test_linear_dispatches_int4_to_the_kernel_on_gpu_and_tpu_only():
         assert quant_matmul.supports("gpu", x, w)
     # On this CPU, linear keeps its path (the C++ kernel or XLA) and agrees with the kernels;
     # the C++ kernel multiplies the exact int4 weights (the kernels here their bfloat16
-    # rounding), so it is held to the oracle of those.
+    # rounding) by x as its integer dots take it, so it is held to the oracle of those.
     got = layers.linear(x, w)
     if linear_cpu.takes(x, w):
         exact = quant.dequantize(w, "float32")
-        close(got, jnp.dot(x.astype(jnp.float32), exact.T, precision="highest"))
+        x32 = x.astype(jnp.float32)
+        x_int = jnp.asarray(integer_x(x32, w)) if linear_cpu.integer_dots(w) else x32
+        want = jnp.dot(x_int, exact.T, precision="highest")
+        mins = jnp.repeat(w.mins.astype(jnp.float32), 32, axis=1)  # they multiply x's own sums
+        close(got, want + jnp.dot(x32 - x_int, mins.T, precision="highest"))
     else:
         close(got, quant_matmul.matmul_gpu(x, w, interpret=True))
 

@@ -12,10 +12,9 @@
 // thread pool for a large W (parallel_bytes), so every core streams its own part of W, each
 // weight byte read once. An item walks its rows kOutBlock at a time. The direct paths --
 // bfloat16 (vdpbf16ps), float32 (FMA), int8 and int4 in a bfloat16 product at any rows by
-// integer dots where the CPU has AVX512-VNNI (int8: x as 16-bit integers per 64 columns,
-// tile_dot_int8_vnni; int4: the 4-bit values as unsigned bytes against x as two signed bytes
-// per group of 32 columns, the scales and minimums applied per group after the dot,
-// tile_dot_int4_vnni), and int8 / int4 otherwise at up to kRowTile rows -- multiply the
+// integer dots where the CPU has AVX512-VNNI (x as 8-bit integers per group of 32 columns
+// against int8's bytes plus 128, tile_dot_int8_vnni, or int4's 4-bit values, the scales and
+// minimums applied per group after the dot, tile_dot_int4_vnni), and int8 / int4 otherwise at up to kRowTile rows -- multiply the
 // block's rows straight from memory (dequantized in registers), prefetching the bytes after
 // the block in address order (Ahead). Otherwise (more rows without integer dots, or no
 // AVX512-BF16) each block goes kChunk columns at a time:
@@ -362,10 +361,9 @@ Problem with_weight(const Problem& x_ready, const Problem& weight) {
 struct Scratch {
   std::vector<Problem> problems;
   std::vector<std::vector<int32_t>> vector_groups;
-  std::vector<float> padded, x_sum, x_scale;
+  std::vector<float> padded, x_sum, x_scale, x8_lanes, x_offset;
   std::vector<uint16_t> x_bf16;
-  std::vector<int16_t> x_q;
-  std::vector<int8_t> x_q4;
+  std::vector<int8_t> x8;
 };
 
 // y_i f32[R, O_i] = x . W_i^T for every weight W_i of the call, streamed as one product.
@@ -424,12 +422,9 @@ ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaining
   std::vector<float>& x_sum = scratch.x_sum;
   std::vector<float>& x_scale = scratch.x_scale;
   std::vector<uint16_t>& x_bf16 = scratch.x_bf16;
-  std::vector<int16_t>& x_q = scratch.x_q;
-  std::vector<int8_t>& x_q4 = scratch.x_q4;
-  if (pb.integer_dots && pb.kind == Kind::kInt8) {
-    prepare_int8_x(x.typed_data(), pb, x_q, x_scale);
-  } else if (pb.integer_dots) {
-    prepare_int4_xq(x.typed_data(), pb, x_q4, x_scale, x_sum);
+  if (pb.integer_dots) {
+    prepare_x8(x.typed_data(), pb, pb.kind == Kind::kInt4, scratch.x8, x_scale, x_sum,
+               scratch.x8_lanes, scratch.x_offset);
   } else if ((pb.kind == Kind::kBF16 || pb.bf16) && direct(pb)) {
     pb.x_bf16_stride = (pb.in + 31) / 32 * 32;
     x_bf16.assign(pb.rows * pb.x_bf16_stride, 0);

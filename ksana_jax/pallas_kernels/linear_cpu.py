@@ -41,13 +41,12 @@ def cpu_has_amx() -> bool:
 
 
 def integer_dots(w: jax.Array | quant.QuantizedMatrix) -> bool:
-    """Whether the kernel multiplies quantized matrix `w` by integer dots (a bfloat16 product
-    on a CPU with AVX512-VNNI and AVX512-BF16). Its weights are then exact (q * scale, or q *
-    scale + min for int4, not rounded to bfloat16) and x, rounded to bfloat16, is rounded
-    further to integers times a power of two (`x_step`):
-      - int8 (vpdpwssd, linear_cpu_quant.h's tile_dot_int8_vnni): I a multiple of 32, one scale
-        a row or groups of a multiple of 32 columns; x as 16-bit integers per 64 columns;
-      - int4 (vpdpbusd, tile_dot_int4_vnni): x as 15-bit integers per group of 32 columns."""
+    """Whether the kernel multiplies quantized matrix `w` by integer dots (vpdpbusd; a bfloat16
+    product on a CPU with AVX512-VNNI and AVX512-BF16). Its weights are then exact (q * scale,
+    or q * scale + min for int4, not rounded to bfloat16) and x, rounded to bfloat16, is
+    rounded further to 8-bit integers times a power of two per 32 columns (`x_step`): int8
+    (linear_cpu_quant.h's tile_dot_int8_vnni) with I a multiple of 32 and one scale a row or
+    groups of a multiple of 32 columns; int4 (tile_dot_int4_vnni) always."""
     if not isinstance(w, quant.Int8Matrix | quant.Int4Matrix):
         return False
     if jnp.dtype(w.dtype) != jnp.bfloat16:
@@ -61,10 +60,12 @@ def integer_dots(w: jax.Array | quant.QuantizedMatrix) -> bool:
 
 def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
     """How the kernel rounds x (in bfloat16) for integer-dot matrix `w` (`integer_dots`):
-    (columns, bits): each run of `columns` columns becomes integers of magnitude below
-    2^(bits - 1) times 2^(e - bits + 1), 2^e the first power of two above the run's largest
-    magnitude, to nearest even. A bfloat16 value within 2^(bits - 9) of that largest is exact."""
-    return (32, 15) if isinstance(w, quant.Int4Matrix) else (64, 16)
+    (columns, bits): each run of `columns` columns becomes integers q times 2^(e - bits + 1),
+    2^e the first power of two above the run's largest magnitude, to nearest even and
+    saturated to -2^(bits - 1) <= q < 2^(bits - 1): at most half a step off. As llama.cpp
+    quantizes x to 8 bits per 32 columns for its 4- and 8-bit weights (there with a scale of
+    the largest / 127): one product of bytes per 4 weights, which bounds these paths' speed."""
+    return (32, 8)
 
 
 # Rows up to which `layers.linear` takes the kernel, by weight format: beyond them XLA's

@@ -136,19 +136,21 @@ __attribute__((always_inline)) inline __m512 lane_sums16(
   return halves(halves(b0, b1), halves(b2, b3));
 }
 
-// out[r * C + c] = the sum of v[r][c]'s lanes (a register tile's accumulators).
+// out[r * C + c] = the sum of v[r][c]'s lanes (a register tile's accumulators), by
+// lane_sums16 for any tile of up to 16 (zeros for the rest): reducing each accumulator on
+// its own took the array's address, and GCC 12 then stored every accumulator to the stack at
+// every step of the loop summing into it (a 64-byte store per multiply-add: 1-3-row tiles
+// ran ~1.5x slower).
 template <int R, int C>
 __attribute__((always_inline)) inline void store_lane_sums(const __m512 (&v)[R][C],
                                                            float* out) {
-  if constexpr (R * C == 16) {
-    auto at = [&](int i) { return v[i / C][i % C]; };
-    _mm512_storeu_ps(out, lane_sums16(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7),
-                                      at(8), at(9), at(10), at(11), at(12), at(13), at(14),
-                                      at(15)));
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < C; ++j) out[r * C + j] = _mm512_reduce_add_ps(v[r][j]);
-  }
+  static_assert(R * C <= 16, "one vector of sums");
+  const __m512 zero = _mm512_setzero_ps();
+  auto at = [&](int i) { return i < R * C ? v[i / C][i % C] : zero; };
+  const __m512 sums = lane_sums16(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7),
+                                  at(8), at(9), at(10), at(11), at(12), at(13), at(14), at(15));
+  if constexpr (R * C == 16) _mm512_storeu_ps(out, sums);
+  else _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << (R * C)) - 1), sums);
 }
 #endif
 
@@ -194,8 +196,6 @@ struct Problem {
   int64_t x_stride;
   const uint16_t* x_bf16;  // [R, x_bf16_stride]: x in bfloat16 (bfloat16 weights, kDotBF16)
   int64_t x_bf16_stride;
-  const float* x_sum;      // int4 by integer dots: [R, x_sum_stride] x's sum per group (below)
-  int64_t x_sum_stride;
   int64_t rows, in, out;  // R, I, O
   int64_t weight_bytes;    // of W (and its scales)
   int64_t row_bytes;       // of a row of W
@@ -209,19 +209,21 @@ struct Problem {
   const int32_t* vector_group;  // int8: the group of each 16 columns (one past the end too)
   // Whether the call's int8 / int4 weights (its kind) take integer dots (integer_dots_fit)
   bool integer_dots;
-  // int8 in a bfloat16 product by vpdpwssd (tile_dot_int8_vnni): x rounded to bfloat16, then
-  // as int16 q times a power-of-two scale per 64 columns, [R, x_q_stride] / [R, x_q_blocks]
-  const int16_t* x_q;
-  int64_t x_q_stride;
-  const float* x_q_scale;
-  int64_t x_q_blocks;
-  // int4 in a bfloat16 product by integer dots (tile_dot_int4_vnni): x rounded to bfloat16,
-  // then per group of 32 columns a 15-bit integer 128 h + l (h signed, 0 <= l < 128) times a
-  // power-of-two scale; per 4 groups 256 bytes [R, x_q4_blocks * 256] (prepare_int4_xq), the
-  // scales per group [R, x_sum_stride], beside x_sum's sums
-  const int8_t* x_q4;
-  const float* x_q4_scale;
-  int64_t x_q4_blocks;
+  // int8 / int4 in a bfloat16 product by integer dots (tile_dot_int8_vnni, tile_dot_int4_vnni):
+  // x rounded to bfloat16, then per group of 32 columns signed bytes times a power-of-two
+  // step (prepare_x8): [R, x8_stride] bytes (int8: in column order; int4: per 4 groups as
+  // the nibbles are), the steps and a sum per group [R, x_sum_stride] (int4: x's sums, for the
+  // minimums; int8: -128 step sum(q), for the weights' offset bytes), zeros past the last
+  // group up to a whole 16 groups
+  const int8_t* x8;
+  int64_t x8_stride;
+  const float* x8_scale;
+  const float* x_sum;
+  int64_t x_sum_stride;
+  // int8 with one scale a row: x's steps per 64 columns as the dot's lanes take them (8 a
+  // group) [R, 8 x_sum_stride], and per row the sum of x_sum (-128 sum(step q))
+  const float* x8_lanes;
+  const float* x_offset;
   float* y;        // [R, O]
 };
 

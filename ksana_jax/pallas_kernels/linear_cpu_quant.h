@@ -3,6 +3,7 @@
 // they read (prepare_int8_x, prepare_int4_xq). See linear_cpu.cc's header.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -112,108 +113,118 @@ inline __m512 load_groups(const void* p, bool f16, int64_t i, __mmask16 mask) {
 }
 
 #if defined(__AVX512VNNI__)
-// int8 weights in a bfloat16 product by integer dots (vpdpwssd: 32 int16 products summed in
-// pairs into 16 int32 lanes): x, rounded to bfloat16, is an int16 q times a power-of-two
-// scale per 64 columns (prepare_int8_x): exact for every bfloat16 value within 2^7 of its
-// 64 columns' largest, within half a step of 2^(e - 15) below that (2^e the first power of
-// two above the largest); the weights widen to int16 (vpmovsxbw)
-// and are not rounded at all. Each 32 (kSpan 32) or 64 columns' int32 sums go to float32
-// times x's scale, and times the weights' where those change along the row (groups of 32 or
-// of a multiple of 64); a row's single scale multiplies the sums at the end (kSpan 0). Per
-// 64 weights and row of x that is 2 products, a conversion and a multiply-add, against the
-// dequantizing path's ~18 instructions (widen, convert, scale, round to bfloat16) that left
-// int8 bound by its vector work, not by its bytes.
-template <int RT, int kSpan>
+// The weights' scales of 16 groups of 32 columns from group c on, a lane a group (masked:
+// zeros past the row's last): int8's one scale a row, or groups of any multiple of 32 columns.
+inline __m512 int8_scales16(const Problem& pb, int64_t row, int64_t c, __mmask16 mask) {
+  if (pb.groups == 1) return _mm512_set1_ps(scale_value(pb.scales, pb.scales_f16, row));
+  const int64_t group = pb.in / pb.groups;  // a multiple of 32 (integer_dots_fit)
+  if (group == 32) return load_groups(pb.scales, pb.scales_f16, row * pb.groups + c, mask);
+  alignas(64) float s[16] = {};
+  for (int i = 0; i < 16; ++i)
+    if (mask >> i & 1)
+      s[i] = scale_value(pb.scales, pb.scales_f16, row * pb.groups + (c + i) * 32 / group);
+  return _mm512_load_ps(s);
+}
+
+// int8 weights in a bfloat16 product by integer dots (vpdpbusd: 64 products of an unsigned
+// and a signed byte summed in fours into 16 int32 lanes): the weights as the unsigned bytes
+// w + 128 (their sign bit flipped), x as the signed ones (prepare_x8: 8-bit integers per group
+// of 32 columns, in column order), so 64 bytes of a weight row are one product per row of x,
+// lanes 0-7 one group's and 8-15 the next's; x . w over a group is that sum minus 128 sum(q),
+// times x's step and the weights' scale. With one scale a row (kRowScale) the lanes take x's
+// steps as they are (x8_lanes) and the row's scale and x's -128 sum(step q) (x_offset) apply
+// once at the end: per 64 weights and row of x a product, a conversion and a multiply-add,
+// and a load and an xor shared by the rows, against 2 widenings, 2 int16 products, a
+// conversion and a multiply-add (x as 16-bit integers per 64 columns) before -- int8 was
+// bound by them. With groups, each group's scale times x's step goes over its 8 lanes (a
+// permute of 16 groups' products) and -128 sum(q) per group beside them (x_sum).
+template <int RT, bool kRowScale>
 void tile_dot_int8_vnni(const Problem& pb, int64_t r0, const int64_t* rows, float* acc) {
   __m512 sums[RT][kOutBlock];
   for (int r = 0; r < RT; ++r)
     for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
-  const int8_t* w[kOutBlock];
-  for (int j = 0; j < kOutBlock; ++j) w[j] = reinterpret_cast<const int8_t*>(pb.w) + rows[j] * pb.in;
-  const int64_t group = pb.in / pb.groups;
-  const __m512i zero = _mm512_setzero_si512();
-  Ahead ahead(w[0], pb.row_bytes, r0 == 0);
-  for (int64_t k = 0; k < pb.in; k += 64) {
-    const bool both = k + 32 < pb.in;  // I % 32 == 0 (integer_dots_fit)
-    __m512 sx[RT];
-    __m512i x_lo[RT], x_hi[RT];  // past I: zeros (x_q's padding)
-    for (int r = 0; r < RT; ++r) {
-      const int16_t* x = pb.x_q + (r0 + r) * pb.x_q_stride + k;
-      sx[r] = _mm512_set1_ps(pb.x_q_scale[(r0 + r) * pb.x_q_blocks + k / 64]);
-      x_lo[r] = _mm512_loadu_si512(x);
-      x_hi[r] = _mm512_loadu_si512(x + 32);
-    }
-    for (int j = 0; j < kOutBlock; ++j) {
-      ahead.step();
-      const __m512i w_lo =
-          _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + k)));
-      const __m512i w_hi = both ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                                      reinterpret_cast<const __m256i*>(w[j] + k + 32)))
-                                : zero;
-      if constexpr (kSpan == 32) {
-        const int64_t g = rows[j] * pb.groups + k / group;
-        const __m512 s_lo = _mm512_set1_ps(scale_value(pb.scales, pb.scales_f16, g));
-        const __m512 s_hi = both ? _mm512_set1_ps(scale_value(
-                                       pb.scales, pb.scales_f16, rows[j] * pb.groups + (k + 32) / group))
-                                 : _mm512_setzero_ps();
+  const int64_t total_bytes = pb.out * pb.in, x_groups = pb.in / 32;
+  Ahead ahead(pb.w + rows[0] * pb.row_bytes, pb.row_bytes, r0 == 0);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
+  const __m512i lane_pair = _mm512_srli_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);
+  for (int64_t c = 0; c < x_groups; c += 16) {  // 16 groups (512 columns) at a time
+    const int64_t left = x_groups - c;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    __m512 d[RT][kOutBlock];  // the 16 groups' scales times x's steps, a lane a group
+    if constexpr (!kRowScale)
+      for (int j = 0; j < kOutBlock; ++j) {
+        const __m512 wj = int8_scales16(pb, rows[j], c, mask);
         for (int r = 0; r < RT; ++r) {
-          const __m512 lo = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(zero, w_lo, x_lo[r]));
-          const __m512 hi = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(zero, w_hi, x_hi[r]));
-          const __m512 both_scaled = _mm512_fmadd_ps(hi, s_hi, _mm512_mul_ps(lo, s_lo));
-          sums[r][j] = _mm512_fmadd_ps(both_scaled, sx[r], sums[r][j]);
+          const int64_t at = (r0 + r) * pb.x_sum_stride + c;
+          d[r][j] = _mm512_mul_ps(wj, _mm512_loadu_ps(pb.x8_scale + at));
+          sums[r][j] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(pb.x_sum + at), sums[r][j]);
         }
-      } else {
-        __m512 s = _mm512_set1_ps(1.0f);
-        if constexpr (kSpan == 64)
-          s = _mm512_set1_ps(scale_value(pb.scales, pb.scales_f16, rows[j] * pb.groups + k / group));
+      }
+    const int64_t pairs = left >= 16 ? 8 : (left + 1) / 2;
+    for (int64_t b = 0; b < pairs; ++b) {
+      const int64_t k = (c + 2 * b) * 32;  // groups c + 2b and c + 2b + 1
+      const __m512i idx = _mm512_add_epi32(lane_pair, _mm512_set1_epi32(static_cast<int>(2 * b)));
+      __m512i xv[RT];  // past the last group: zeros
+      __m512 steps[RT];
+      for (int r = 0; r < RT; ++r) {
+        xv[r] = _mm512_loadu_si512(pb.x8 + (r0 + r) * pb.x8_stride + k);
+        if constexpr (kRowScale) steps[r] = _mm512_loadu_ps(pb.x8_lanes + (r0 + r) * 8 * pb.x_sum_stride + k / 4);
+      }
+      for (int j = 0; j < kOutBlock; ++j) {
+        const int64_t at = rows[j] * pb.in + k;
+        const int8_t* w = reinterpret_cast<const int8_t*>(pb.w) + at;
+        ahead.step();
+        // Past the row's last group the bytes are the next row's (x there is 0, and so is
+        // the product), up to the matrix's end, where the load is masked.
+        const __m512i bytes =
+            at + 64 <= total_bytes
+                ? _mm512_loadu_si512(w)
+                : _mm512_maskz_loadu_epi8(~__mmask64{0} >> (64 - (total_bytes - at)), w);
+        const __m512i offset = _mm512_xor_si512(bytes, flip);  // w + 128, unsigned
         for (int r = 0; r < RT; ++r) {
-          const __m512i t = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(zero, w_lo, x_lo[r]), w_hi, x_hi[r]);
-          const __m512 scale = kSpan == 64 ? _mm512_mul_ps(sx[r], s) : sx[r];
-          sums[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, sums[r][j]);
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, offset, xv[r]));
+          const __m512 scale = kRowScale ? steps[r] : _mm512_permutexvar_ps(idx, d[r][j]);
+          sums[r][j] = _mm512_fmadd_ps(dot, scale, sums[r][j]);
         }
       }
     }
   }
   float* out = acc + r0 * kOutBlock;
   store_lane_sums(sums, out);
-  if constexpr (kSpan == 0)
+  if constexpr (kRowScale)
     for (int j = 0; j < kOutBlock; ++j) {
-      const float s = scale_value(pb.scales, pb.scales_f16, rows[j] * pb.groups);
-      for (int r = 0; r < RT; ++r) out[r * kOutBlock + j] *= s;
+      const float s = scale_value(pb.scales, pb.scales_f16, rows[j]);
+      for (int r = 0; r < RT; ++r) out[r * kOutBlock + j] = (out[r * kOutBlock + j] + pb.x_offset[r0 + r]) * s;
     }
 }
 
-template <int kSpan>
-void block_int8_vnni_span(const Problem& pb, const int64_t* rows, float* acc) {
+template <bool kRowScale>
+void block_int8_vnni_tiles(const Problem& pb, const int64_t* rows, float* acc) {
   int64_t r = 0;  // tiles of 2 rows: 8 float accumulators and the x of both in registers
-  for (; r + 2 <= pb.rows; r += 2) tile_dot_int8_vnni<2, kSpan>(pb, r, rows, acc);
-  if (r < pb.rows) tile_dot_int8_vnni<1, kSpan>(pb, r, rows, acc);
+  for (; r + 2 <= pb.rows; r += 2) tile_dot_int8_vnni<2, kRowScale>(pb, r, rows, acc);
+  if (r < pb.rows) tile_dot_int8_vnni<1, kRowScale>(pb, r, rows, acc);
 }
 
 inline void block_int8_vnni(const Problem& pb, int64_t o, int64_t block, float* acc) {
   int64_t rows[kOutBlock];  // rows past the block repeat its first (unused sums)
   for (int j = 0; j < kOutBlock; ++j) rows[j] = o + (j < block ? j : 0);
-  const int64_t group = pb.in / pb.groups;
-  if (pb.groups == 1) block_int8_vnni_span<0>(pb, rows, acc);
-  else if (group % 64 == 0) block_int8_vnni_span<64>(pb, rows, acc);
-  else block_int8_vnni_span<32>(pb, rows, acc);
+  if (pb.groups == 1) block_int8_vnni_tiles<true>(pb, rows, acc);
+  else block_int8_vnni_tiles<false>(pb, rows, acc);
 }
 
 // int4 weights in a bfloat16 product by integer dots (vpdpbusd: 64 products of an
 // unsigned and a signed byte summed in fours into 16 int32 lanes): each group's 4-bit values
 // q are the unsigned bytes as they are (a mask and a shift of 64 packed bytes give 128 of
-// them), x the signed ones, as a 15-bit integer per group of 32 columns split in two bytes,
-// 128 h + l (prepare_int4_xq), so x . q over a group is 128 (h . q) + l . q in int32, exact.
-// Per 128 weights (4 groups) and row of x: 4 products, a shift, an add, a conversion, a
-// permute and a multiply-add by the groups' scales (d times x's, per 16 groups, each group's
-// over its 4 lanes), against
-// 2 x (widen, 2 shifts, 2 ternary logics, a permute, 2 bfloat16 dots and a multiply-add) of
-// the bfloat16 dots this replaced (the 4-bit values as exact bfloat16 1 + q / 16): ~1.6x
-// fewer vector instructions, which bound that path (1.1-1.8x faster at 1-16 rows). The
+// them), x the signed ones (prepare_x8: 8-bit integers per group of 32 columns, in the
+// nibbles' order), so x . q over 4 groups is 2 products in int32, exact. Per 128 weights
+// (4 groups) and row of x: 2 products, a conversion, a permute and a multiply-add by the
+// groups' scales (d times x's steps, per 16 groups, each group's over its 4 lanes); a mask, a
+// shift and a mask shared by the rows. x as 15-bit integers (two bytes, 128 h + l) took 2
+// products, a shift and an add more; the bfloat16 dots before them (the 4-bit values as
+// exact bfloat16 1 + q / 16) ~1.6x more again: the vector work bounds this path. The
 // minimums' term m sum(x) is added per 16 groups (a lane a group: the lanes are summed at the
-// end anyway). x is exact but for values below
-// 2^-6 of its group's largest (those within half a step of 2^(e - 14), 2^e the first power of
-// two above it).
+// end anyway), by x's own sums.
 template <int RT>
 void tile_dot_int4_vnni(const Problem& pb, int64_t r0, const int64_t* rows, float* acc) {
   __m512 sums[RT][kOutBlock];
@@ -227,14 +238,14 @@ void tile_dot_int4_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
   for (int64_t c = 0; c < pb.groups; c += 16) {  // 16 groups (512 columns) at a time
     const int64_t left = pb.groups - c;
     const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-    __m512 d[RT][kOutBlock];  // the 16 groups' scales times x's, a lane a group
+    __m512 d[RT][kOutBlock];  // the 16 groups' scales times x's steps, a lane a group
     for (int j = 0; j < kOutBlock; ++j) {
       const int64_t gi = rows[j] * pb.groups + c;
       const __m512 dj = load_groups(pb.scales, pb.scales_f16, gi, mask);  // past the row: 0
       const __m512 m = load_groups(pb.mins, pb.mins_f16, gi, mask);
       for (int r = 0; r < RT; ++r) {
         const int64_t at = (r0 + r) * pb.x_sum_stride + c;
-        d[r][j] = _mm512_mul_ps(dj, _mm512_loadu_ps(pb.x_q4_scale + at));
+        d[r][j] = _mm512_mul_ps(dj, _mm512_loadu_ps(pb.x8_scale + at));
         sums[r][j] = _mm512_fmadd_ps(m, _mm512_loadu_ps(pb.x_sum + at), sums[r][j]);
       }
     }
@@ -242,11 +253,10 @@ void tile_dot_int4_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
     for (int64_t b = 0; b < quads; ++b) {
       const int64_t block = c / 4 + b;  // groups 4 block .. 4 block + 3
       const __m512i idx = _mm512_add_epi32(lane_group, _mm512_set1_epi32(static_cast<int>(4 * b)));
-      __m512i h_lo[RT], h_hi[RT], l_lo[RT], l_hi[RT];
+      __m512i x_lo[RT], x_hi[RT];  // the groups' elements 0-15, then 16-31
       for (int r = 0; r < RT; ++r) {
-        const int8_t* x = pb.x_q4 + ((r0 + r) * pb.x_q4_blocks + block) * 256;
-        h_lo[r] = _mm512_loadu_si512(x), h_hi[r] = _mm512_loadu_si512(x + 64);
-        l_lo[r] = _mm512_loadu_si512(x + 128), l_hi[r] = _mm512_loadu_si512(x + 192);
+        const int8_t* x = pb.x8 + (r0 + r) * pb.x8_stride + block * 128;
+        x_lo[r] = _mm512_loadu_si512(x), x_hi[r] = _mm512_loadu_si512(x + 64);
       }
       for (int j = 0; j < kOutBlock; ++j) {
         const int64_t at = rows[j] * row_bytes + block * 64;
@@ -261,9 +271,8 @@ void tile_dot_int4_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
         const __m512i lo = _mm512_and_si512(bytes, low4);  // elements 0-15 of the 4 groups
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);  // 16-31
         for (int r = 0; r < RT; ++r) {
-          const __m512i h = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, h_lo[r]), hi, h_hi[r]);
-          const __m512i l = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, l_lo[r]), hi, l_hi[r]);
-          const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l));
+          const __m512 dot = _mm512_cvtepi32_ps(
+              _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, x_lo[r]), hi, x_hi[r]));
           const __m512 scale = _mm512_permutexvar_ps(idx, d[r][j]);  // each group's, 4 lanes
           sums[r][j] = _mm512_fmadd_ps(dot, scale, sums[r][j]);
         }
@@ -348,86 +357,64 @@ inline float integer_step(float top, int bits) {
   return std::ldexp(1.0f, e - bits + 1);
 }
 
-// x for tile_dot_int8_vnni: each row rounded to bfloat16 (as XLA's dot rounds it), then per
-// 64 columns an int16 q and a power-of-two scale 2^(e - 15), 2^e the first power of two above
-// the columns' largest magnitude: |q| < 2^15, and a bfloat16 value within 2^7 of that largest
-// is exactly an integer q (one at least 2^(e - 8): its last bit is worth at least the step). Padded with zeros to whole 64 columns.
-inline void prepare_int8_x(const float* x, Problem& pb, std::vector<int16_t>& x_q,
-                           std::vector<float>& x_scale) {
+// x for the integer dots (tile_dot_int8_vnni, tile_dot_int4_vnni): each row rounded to
+// bfloat16 (as XLA's dot rounds it), then per group of 32 columns signed bytes q times a
+// power-of-two step 2^(e - 7), 2^e the first power of two above the group's largest
+// magnitude (integer_step(largest, 8)), to nearest even and saturated to [-128, 127]: a
+// bfloat16 value is at most half a step off (the largest bfloat16 below 2^e is 127.5 steps,
+// which saturates to 127). The bytes go in column order (int8) or,
+// per 4 groups, as the nibbles of int4's packed bytes hold them (`nibble_order`: elements 0-15
+// of the 4 groups, group after group, then 16-31); beside them per group the step and a sum:
+// int4's x's sum (the minimums multiply it), int8's -128 step sum(q) (its weights' bytes are
+// w + 128). Zeros past the last group, up to a whole 16 groups.
+inline void prepare_x8(const float* x, Problem& pb, bool nibble_order, std::vector<int8_t>& x8,
+                       std::vector<float>& x8_scale, std::vector<float>& x_sum,
+                       std::vector<float>& x8_lanes, std::vector<float>& x_offset) {
 #if defined(__AVX512BF16__)
-  pb.x_q_blocks = (pb.in + 63) / 64;
-  pb.x_q_stride = pb.x_q_blocks * 64;
-  x_q.assign(pb.rows * pb.x_q_stride, 0);
-  x_scale.assign(pb.rows * pb.x_q_blocks, 0.0f);
-  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  for (int64_t r = 0; r < pb.rows; ++r)
-    for (int64_t b = 0; b < pb.x_q_blocks; ++b) {
-      const int64_t k0 = b * 64, n = std::min<int64_t>(64, pb.in - k0);
-      __m512 v[4];
-      __m512 largest = _mm512_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        const int64_t left = n - 16 * i;
-        const __mmask16 m = left >= 16 ? 0xffff
-                            : left <= 0 ? 0
-                                        : static_cast<__mmask16>((1u << left) - 1);
-        v[i] = bf16_rounded(_mm512_maskz_loadu_ps(m, x + r * pb.in + k0 + 16 * i));
-        largest = _mm512_max_ps(largest, _mm512_and_ps(v[i], magnitude));
-      }
-      const float scale = integer_step(_mm512_reduce_max_ps(largest), 16);
-      x_scale[r * pb.x_q_blocks + b] = scale;
-      if (!std::isfinite(scale)) continue;
-      const __m512 inverse = _mm512_set1_ps(1.0f / scale);  // a power of two: exact
-      int16_t* q = x_q.data() + r * pb.x_q_stride + k0;
-      for (int i = 0; i < 4; ++i)  // to nearest even (MXCSR's default), then to int16
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i),
-                            _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], inverse))));
-    }
-  pb.x_q = x_q.data();
-  pb.x_q_scale = x_scale.data();
-#endif
-}
-
-// x for tile_dot_int4_vnni: each row rounded to bfloat16 (as XLA's dot rounds it), its sums
-// per group of 32 columns (Problem::x_sum), then per group an integer q = 128 h + l, |q| <
-// 2^14, times a power-of-two scale 2^(e - 14), 2^e the first power of two above the group's
-// largest magnitude (a bfloat16 value within 2^6 of that largest is exactly such a q). Per 4
-// groups 256 bytes: h of the groups' elements 0-15 (the low nibbles' order: group after
-// group), h of elements 16-31, then l the same way; zeros past the last group. The scales
-// go beside the sums ([R, x_sum_stride]).
-inline void prepare_int4_xq(const float* x, Problem& pb, std::vector<int8_t>& x_q4,
-                            std::vector<float>& x_q4_scale, std::vector<float>& x_sum) {
-#if defined(__AVX512BF16__)
-  pb.x_q4_blocks = (pb.groups + 3) / 4;
-  pb.x_sum_stride = (pb.groups + 15) / 16 * 16;
-  x_q4.assign(pb.rows * pb.x_q4_blocks * 256, 0);
-  x_q4_scale.assign(pb.rows * pb.x_sum_stride, 0.0f);
+  const int64_t groups = pb.in / 32;  // I % 32 == 0 (integer_dots_fit)
+  pb.x_sum_stride = (groups + 15) / 16 * 16;
+  pb.x8_stride = pb.x_sum_stride * 32;
+  x8.assign(pb.rows * pb.x8_stride, 0);
+  x8_scale.assign(pb.rows * pb.x_sum_stride, 0.0f);
   x_sum.assign(pb.rows * pb.x_sum_stride, 0.0f);
+  if (!nibble_order) {
+    x8_lanes.assign(pb.rows * 8 * pb.x_sum_stride, 0.0f);
+    x_offset.assign(pb.rows, 0.0f);
+  }
   const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  const __m512i seven_bits = _mm512_set1_epi32(127);
+  const __m512i low = _mm512_set1_epi32(-128), high = _mm512_set1_epi32(127);
   for (int64_t r = 0; r < pb.rows; ++r)
-    for (int64_t g = 0; g < pb.groups; ++g) {
+    for (int64_t g = 0; g < groups; ++g) {
       const float* src = x + r * pb.in + g * 32;
       __m512 v[2];
       for (int h = 0; h < 2; ++h) v[h] = bf16_rounded(_mm512_loadu_ps(src + 16 * h));
-      x_sum[r * pb.x_sum_stride + g] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
-      const float scale = integer_step(_mm512_reduce_max_ps(_mm512_max_ps(
-                                           _mm512_and_ps(v[0], magnitude), _mm512_and_ps(v[1], magnitude))),
-                                       15);
-      x_q4_scale[r * pb.x_sum_stride + g] = scale;
-      if (!std::isfinite(scale)) continue;
-      const int64_t block = r * pb.x_q4_blocks + g / 4, slot = g % 4;
-      const __m512 inverse = _mm512_set1_ps(1.0f / scale);  // a power of two: exact
-      int8_t* dst = x_q4.data() + block * 256 + slot * 16;
-      for (int h = 0; h < 2; ++h) {  // to nearest even (MXCSR's default), then split
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], inverse));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 64 * h),
-                         _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 7)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 128 + 64 * h),
-                         _mm512_cvtepi32_epi8(_mm512_and_si512(q, seven_bits)));
+      const int64_t at = r * pb.x_sum_stride + g;
+      const float step = integer_step(_mm512_reduce_max_ps(_mm512_max_ps(
+                                          _mm512_and_ps(v[0], magnitude), _mm512_and_ps(v[1], magnitude))),
+                                      8);
+      x8_scale[at] = step;
+      if (!nibble_order) std::fill_n(x8_lanes.begin() + 8 * at, 8, step);
+      if (nibble_order) x_sum[at] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+      if (!std::isfinite(step)) continue;
+      const __m512 inverse = _mm512_set1_ps(1.0f / step);  // a power of two: exact
+      int8_t* row = x8.data() + r * pb.x8_stride;
+      __m512i q_sum = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {  // to nearest even (MXCSR's default), then saturated
+        const __m512i q = _mm512_min_epi32(
+            _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v[h], inverse)), low), high);
+        q_sum = _mm512_add_epi32(q_sum, q);
+        int8_t* dst = nibble_order ? row + g / 4 * 128 + g % 4 * 16 + 64 * h : row + g * 32 + 16 * h;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q));
+      }
+      if (!nibble_order) {
+        x_sum[at] = -128.0f * step * static_cast<float>(_mm512_reduce_add_epi32(q_sum));
+        x_offset[r] += x_sum[at];
       }
     }
-  pb.x_q4 = x_q4.data();
-  pb.x_q4_scale = x_q4_scale.data();
+  pb.x8 = x8.data();
+  pb.x8_lanes = x8_lanes.data();
+  pb.x_offset = x_offset.data();
+  pb.x8_scale = x8_scale.data();
   pb.x_sum = x_sum.data();
 #endif
 }
