@@ -176,16 +176,17 @@ def run_on_cpu_devices(script: str, *args: str, devices: int = 4):
 
 def integer_x(x: np.ndarray, w) -> np.ndarray:
     """x (in bfloat16) as the kernel's integer dots take it (linear_cpu.x_step): each run of
-    columns rounded to nearest even on the grid 2^(e - bits + 1), 2^e the first power of two
-    above the run's largest magnitude, saturated to bits-bit integers."""
+    columns as integers q = x * (top / largest) to nearest even (float32, as the kernel), top =
+    2^(bits - 1) - 1, times the step largest / top."""
     from ksana_jax.pallas_kernels import linear_cpu
 
     columns, bits = linear_cpu.x_step(w)
-    x = np.array(x, np.float64)
+    top = np.float32(2 ** (bits - 1) - 1)
+    x = np.array(x, np.float32)
     for k in range(0, x.shape[1], columns):
         run = x[:, k : k + columns]
-        exponent = np.frexp(np.abs(run).max(axis=1, keepdims=True))[1]  # largest < 2^e
-        step = np.ldexp(1.0, exponent - bits + 1)
-        q = np.clip(np.round(run / step), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)  # half to even
-        x[:, k : k + columns] = q * step
-    return x.astype(np.float32)
+        largest = np.abs(run).max(axis=1, keepdims=True)
+        safe = np.where(largest == 0, np.float32(1), largest)
+        q = np.round(run * (top / safe))  # numpy rounds half to even
+        x[:, k : k + columns] = q * (largest / top)
+    return x

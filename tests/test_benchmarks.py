@@ -215,7 +215,7 @@ def test_linear_cpu_pieces_run():
         xla = bench.chain(bench.xla_linear)(x, weights)
         # Where the kernel takes integer dots (int8 and int4 in a bfloat16 product): XLA's side
         # rounds the weights to bfloat16 (2^-9 of a weight), the kernel x to 8-bit integers
-        # per 32 columns (up to 2^-8 of their largest: 4% of these random int4 weights'
+        # per 32 columns (up to 1/254 of their largest: 4% of these random int4 weights'
         # products, all of one sign), through two products; test_linear_cpu.py holds each
         # path to its own oracle.
         exact = any(bench.linear_cpu.integer_dots(w) for w in weights)

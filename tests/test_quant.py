@@ -80,15 +80,14 @@ def test_int4_refuses_an_input_dim_not_divisible_by_32():
 def x_error(x: jax.Array, w: jax.Array, m: quant.QuantizedMatrix) -> float:
     """The most x's rounding to integers for the kernel's integer dots with matrix m
     (linear_cpu.x_step: runs of `columns` columns, integers of `bits` bits) can move x . w^T:
-    per run of bfloat16 x, half its step 2^(e - bits + 1) (2^e the first power of two above
-    the run's largest magnitude) times the weights' magnitudes there."""
+    per run of bfloat16 x, half its step (the run's largest magnitude / (2^(bits - 1) - 1))
+    times the weights' magnitudes there."""
     columns, bits = linear_cpu.x_step(m)
     x = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
     w = np.abs(np.asarray(w, np.float64))
     bound = np.zeros((x.shape[0], w.shape[0]))
     for k in range(0, x.shape[1], columns):
-        exponent = np.frexp(np.abs(x[:, k : k + columns]).max(axis=1))[1]  # largest < 2^e
-        half_step = np.ldexp(0.5, exponent - bits + 1)
+        half_step = np.abs(x[:, k : k + columns]).max(axis=1) / (2 ** (bits - 1) - 1) / 2
         bound += half_step[:, None] * w[:, k : k + columns].sum(axis=1)[None]
     return float(bound.max())
 

@@ -60,11 +60,11 @@ def integer_dots(w: jax.Array | quant.QuantizedMatrix) -> bool:
 
 def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
     """How the kernel rounds x (in bfloat16) for integer-dot matrix `w` (`integer_dots`):
-    (columns, bits): each run of `columns` columns becomes integers q times 2^(e - bits + 1),
-    2^e the first power of two above the run's largest magnitude, to nearest even and
-    saturated to -2^(bits - 1) <= q < 2^(bits - 1): at most half a step off. As llama.cpp
-    quantizes x to 8 bits per 32 columns for its 4- and 8-bit weights (there with a scale of
-    the largest / 127): one product of bytes per 4 weights, which bounds these paths' speed."""
+    (columns, bits): each run of `columns` columns becomes integers q times a step, the run's
+    largest magnitude / (2^(bits - 1) - 1), q = x * ((2^(bits - 1) - 1) / largest) to nearest
+    even in float32: at most half a step off. llama.cpp quantizes x so (8 bits per 32 columns,
+    its Q8_0) for its 4- and 8-bit weights: one product of bytes per 4 weights, which bounds
+    these paths' speed."""
     return (32, 8)
 
 

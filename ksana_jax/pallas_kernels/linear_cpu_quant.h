@@ -346,27 +346,14 @@ inline __m512 bf16_rounded(__m512 f) {
 }
 #endif
 
-// The power of two 2^(e - bits + 1) whose integer multiples of magnitude below 2^(bits - 1)
-// cover [-top, top] (2^e the first power of two above `top`, the largest magnitude of the
-// values); 1 for top 0, NaN for a NaN or infinity (the product is then NaN).
-inline float integer_step(float top, int bits) {
-  if (!std::isfinite(top)) return std::numeric_limits<float>::quiet_NaN();
-  if (top == 0.0f) return 1.0f;
-  int e;
-  std::frexp(top, &e);  // top < 2^e
-  return std::ldexp(1.0f, e - bits + 1);
-}
-
 // x for the integer dots (tile_dot_int8_vnni, tile_dot_int4_vnni): each row rounded to
 // bfloat16 (as XLA's dot rounds it), then per group of 32 columns signed bytes q times a
-// power-of-two step 2^(e - 7), 2^e the first power of two above the group's largest
-// magnitude (integer_step(largest, 8)), to nearest even and saturated to [-128, 127]: a
-// bfloat16 value is at most half a step off (the largest bfloat16 below 2^e is 127.5 steps,
-// which saturates to 127). The bytes go in column order (int8) or,
-// per 4 groups, as the nibbles of int4's packed bytes hold them (`nibble_order`: elements 0-15
-// of the 4 groups, group after group, then 16-31); beside them per group the step and a sum:
-// int4's x's sum (the minimums multiply it), int8's -128 step sum(q) (its weights' bytes are
-// w + 128). Zeros past the last group, up to a whole 16 groups.
+// step, the group's largest magnitude / 127 (llama.cpp's Q8_0 of x): q = x * (127 / largest)
+// to nearest even, |q| <= 127, at most half a step off. The bytes go in column order (int8)
+// or, per 4 groups, as the nibbles of int4's packed bytes hold them (`nibble_order`: elements
+// 0-15 of the 4 groups, group after group, then 16-31); beside them per group the step and a
+// sum: int4's x's sum (the minimums multiply it), int8's -128 step sum(q) (its weights' bytes
+// are w + 128). Zeros past the last group, up to a whole 16 groups.
 inline void prepare_x8(const float* x, Problem& pb, bool nibble_order, std::vector<int8_t>& x8,
                        std::vector<float>& x8_scale, std::vector<float>& x_sum,
                        std::vector<float>& x8_lanes, std::vector<float>& x_offset) {
@@ -389,14 +376,17 @@ inline void prepare_x8(const float* x, Problem& pb, bool nibble_order, std::vect
       __m512 v[2];
       for (int h = 0; h < 2; ++h) v[h] = bf16_rounded(_mm512_loadu_ps(src + 16 * h));
       const int64_t at = r * pb.x_sum_stride + g;
-      const float step = integer_step(_mm512_reduce_max_ps(_mm512_max_ps(
-                                          _mm512_and_ps(v[0], magnitude), _mm512_and_ps(v[1], magnitude))),
-                                      8);
+      const float largest = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_and_ps(v[0], magnitude), _mm512_and_ps(v[1], magnitude)));
+      // 0 for a group of zeros; NaN for one with a NaN or an infinity (the product is then
+      // NaN: its q stay 0, times the step)
+      const float step = largest == 0.0f ? 0.0f : std::isfinite(largest) ? largest / 127.0f
+                                                 : std::numeric_limits<float>::quiet_NaN();
       x8_scale[at] = step;
       if (!nibble_order) std::fill_n(x8_lanes.begin() + 8 * at, 8, step);
       if (nibble_order) x_sum[at] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
-      if (!std::isfinite(step)) continue;
-      const __m512 inverse = _mm512_set1_ps(1.0f / step);  // a power of two: exact
+      if (!std::isfinite(step) || step == 0.0f) continue;
+      const __m512 inverse = _mm512_set1_ps(127.0f / largest);
       int8_t* row = x8.data() + r * pb.x8_stride;
       __m512i q_sum = _mm512_setzero_si512();
       for (int h = 0; h < 2; ++h) {  // to nearest even (MXCSR's default), then saturated
