@@ -1,6 +1,6 @@
 // linear_cpu.cc's direct paths for quantized weights: int8 and int4 dequantized in registers
 // at up to kRowTile rows, and in a bfloat16 product by integer dots at any rows with the x
-// they read (prepare_int8_x, prepare_int4_xq). See linear_cpu.cc's header.
+// they read (prepare_x8). See linear_cpu.cc's header.
 #pragma once
 
 #include <algorithm>
@@ -113,6 +113,13 @@ inline __m512 load_groups(const void* p, bool f16, int64_t i, __mmask16 mask) {
 }
 
 #if defined(__AVX512VNNI__)
+// 64 bytes of a weight from byte `at` on; past its end (`total` bytes) zeros, not read.
+inline __m512i weight_bytes64(const char* w, int64_t at, int64_t total) {
+  return at + 64 <= total
+             ? _mm512_loadu_si512(w + at)
+             : _mm512_maskz_loadu_epi8(~__mmask64{0} >> (64 - (total - at)), w + at);
+}
+
 // The weights' scales of 16 groups of 32 columns from group c on, a lane a group (masked:
 // zeros past the row's last): int8's one scale a row, or groups of any multiple of 32 columns.
 inline __m512 int8_scales16(const Problem& pb, int64_t row, int64_t c, __mmask16 mask) {
@@ -169,18 +176,14 @@ void tile_dot_int8_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
       __m512 steps[RT];
       for (int r = 0; r < RT; ++r) {
         xv[r] = _mm512_loadu_si512(pb.x8 + (r0 + r) * pb.x8_stride + k);
-        if constexpr (kRowScale) steps[r] = _mm512_loadu_ps(pb.x8_lanes + (r0 + r) * 8 * pb.x_sum_stride + k / 4);
+        if constexpr (kRowScale)
+          steps[r] = _mm512_loadu_ps(pb.x8_lanes + (r0 + r) * 8 * pb.x_sum_stride + k / 4);
       }
       for (int j = 0; j < kOutBlock; ++j) {
-        const int64_t at = rows[j] * pb.in + k;
-        const int8_t* w = reinterpret_cast<const int8_t*>(pb.w) + at;
         ahead.step();
         // Past the row's last group the bytes are the next row's (x there is 0, and so is
-        // the product), up to the matrix's end, where the load is masked.
-        const __m512i bytes =
-            at + 64 <= total_bytes
-                ? _mm512_loadu_si512(w)
-                : _mm512_maskz_loadu_epi8(~__mmask64{0} >> (64 - (total_bytes - at)), w);
+        // the product), up to the matrix's end (weight_bytes64).
+        const __m512i bytes = weight_bytes64(pb.w, rows[j] * pb.in + k, total_bytes);
         const __m512i offset = _mm512_xor_si512(bytes, flip);  // w + 128, unsigned
         for (int r = 0; r < RT; ++r) {
           const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, offset, xv[r]));
@@ -195,7 +198,10 @@ void tile_dot_int8_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
   if constexpr (kRowScale)
     for (int j = 0; j < kOutBlock; ++j) {
       const float s = scale_value(pb.scales, pb.scales_f16, rows[j]);
-      for (int r = 0; r < RT; ++r) out[r * kOutBlock + j] = (out[r * kOutBlock + j] + pb.x_offset[r0 + r]) * s;
+      for (int r = 0; r < RT; ++r) {
+        float& y = out[r * kOutBlock + j];
+        y = (y + pb.x_offset[r0 + r]) * s;
+      }
     }
 }
 
@@ -259,15 +265,10 @@ void tile_dot_int4_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
         x_lo[r] = _mm512_loadu_si512(x), x_hi[r] = _mm512_loadu_si512(x + 64);
       }
       for (int j = 0; j < kOutBlock; ++j) {
-        const int64_t at = rows[j] * row_bytes + block * 64;
-        const uint8_t* w = reinterpret_cast<const uint8_t*>(pb.w) + at;
         ahead.step();
         // Past the row's last group the bytes are the next row's (x there is 0, and so is
-        // the product: integers), up to the matrix's end, where the load is masked.
-        const __m512i bytes =
-            at + 64 <= total_bytes
-                ? _mm512_loadu_si512(w)
-                : _mm512_maskz_loadu_epi8(~__mmask64{0} >> (64 - (total_bytes - at)), w);
+        // the product: integers), up to the matrix's end (weight_bytes64).
+        const __m512i bytes = weight_bytes64(pb.w, rows[j] * row_bytes + block * 64, total_bytes);
         const __m512i lo = _mm512_and_si512(bytes, low4);  // elements 0-15 of the 4 groups
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);  // 16-31
         for (int r = 0; r < RT; ++r) {
@@ -393,7 +394,8 @@ inline void prepare_x8(const float* x, Problem& pb, bool nibble_order, std::vect
         const __m512i q = _mm512_min_epi32(
             _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v[h], inverse)), low), high);
         q_sum = _mm512_add_epi32(q_sum, q);
-        int8_t* dst = nibble_order ? row + g / 4 * 128 + g % 4 * 16 + 64 * h : row + g * 32 + 16 * h;
+        int8_t* dst =
+            nibble_order ? row + g / 4 * 128 + g % 4 * 16 + 64 * h : row + g * 32 + 16 * h;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q));
       }
       if (!nibble_order) {
