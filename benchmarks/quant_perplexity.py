@@ -15,6 +15,14 @@ Models, all from the bundled GGUF (Q4_1 linear layers, Q8_0 embedding):
 
     python benchmarks/quant_perplexity.py [--tokens 4096] [--window 1024]
     python benchmarks/quant_perplexity.py --no-weights --dtypes float32  # KV rows only
+    python benchmarks/quant_perplexity.py --through-kernel --dtypes bfloat16
+
+A window's products have hundreds of rows, so on CPU they run through XLA's dot, not the C++
+kernel decode's few rows take (linear_cpu.MAX_ROWS), which multiplies int8 and int4 weights
+by integer dots with x rounded to 8-bit integers per 32 columns: `--through-kernel` lifts
+the row limits of the bfloat16 and quantized formats, so every such product of every window
+goes through the kernel and the table shows what decode's rounding of x costs (a bfloat16
+product: the kernel's integer dots serve bfloat16 models; float32 stays on XLA's dot).
 """
 
 from __future__ import annotations
@@ -55,7 +63,20 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--kv-cache-dtypes", default="int8,fp8")
     parser.add_argument("--no-weights", action="store_true", help="skip quantized weights")
+    parser.add_argument(
+        "--through-kernel",
+        action="store_true",
+        help="every bfloat16 / int8 / int4 product through the CPU kernel (decode's path)",
+    )
     args = parser.parse_args()
+    if args.through_kernel:
+        from ksana_jax.pallas_kernels import linear_cpu
+
+        if not linear_cpu.available():
+            raise SystemExit("--through-kernel: the CPU kernel does not build on this machine")
+        for name in linear_cpu.MAX_ROWS:  # read at trace time
+            if name != "float32":
+                linear_cpu.MAX_ROWS[name] = 1 << 20
 
     import ksana_jax
     from ksana_jax import quant
@@ -86,9 +107,10 @@ def main() -> None:
         model = dataclasses.replace(float_model, kv_cache_dtype=kv_dtype)
         rows.append((f"{rows[0][0]}, KV {kv_dtype}", model))
     tokens = text_tokens(rows[0][1].tokenizer, args.tokens)
-    print(f"{len(tokens)} tokens of pydoc_data.topics, windows of {args.window}")
+    path = "the CPU kernel (MAX_ROWS lifted)" if args.through_kernel else "the default paths"
+    print(f"{len(tokens)} tokens of pydoc_data.topics, windows of {args.window}, by {path}")
     print(
-        f"{'model':<22} {'perplexity':>10} {'x float32':>10} {'param MB':>9} "
+        f"{'model':<22} {'perplexity':>10} {'x ' + rows[0][0]:>10} {'param MB':>9} "
         f"{'KV B/token':>10} {'s':>6}"
     )
     for name, model in rows:

@@ -210,11 +210,11 @@ struct Problem {
   // Whether the call's int8 / int4 weights (its kind) take integer dots (integer_dots_fit)
   bool integer_dots;
   // int8 / int4 in a bfloat16 product by integer dots (tile_dot_int8_vnni, tile_dot_int4_vnni):
-  // x rounded to bfloat16, then per group of 32 columns signed bytes times a power-of-two
-  // step (prepare_x8): [R, x8_stride] bytes (int8: in column order; int4: per 4 groups as
-  // the nibbles are), the steps and a sum per group [R, x_sum_stride] (int4: x's sums, for the
-  // minimums; int8: -128 step sum(q), for the weights' offset bytes), zeros past the last
-  // group up to a whole 16 groups
+  // x rounded to bfloat16, then per group of 32 columns signed bytes times a step, the
+  // group's largest magnitude / 127 (prepare_x8): [R, x8_stride] bytes (int8: in column
+  // order; int4: per 4 groups as the nibbles are), the steps and a sum per group
+  // [R, x_sum_stride] (int4: x's sums, for the minimums; int8: -128 step sum(q), for the
+  // weights' offset bytes), zeros past the last group up to a whole 16 groups
   const int8_t* x8;
   int64_t x8_stride;
   const float* x8_scale;
