@@ -57,7 +57,7 @@ def reference(x: jax.Array, w, kernel: bool = True) -> jax.Array:
     int8 one the kernel multiplies by integer dots (linear_cpu.integer_dots): the kernel
     multiplies the exact q * scale (+ min), by x rounded further as it does (`integer_x`) --
     but for int4's minimums, which multiply x's exact sums per group; with `kernel` False,
-    XLA's product, int8 weights rounded to bfloat16."""
+    XLA's product, int8 and int4 weights rounded to bfloat16."""
     dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
     if jnp.dtype(w.dtype) == jnp.bfloat16:  # a quantized matrix's dtype is a name
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
@@ -68,7 +68,7 @@ def reference(x: jax.Array, w, kernel: bool = True) -> jax.Array:
             mins = jnp.repeat(w.mins.astype(jnp.float32), 32, axis=1)
             y = y + dot(x - x_int, mins.T)
         return y
-    if isinstance(w, quant.Int4Matrix):
+    if isinstance(w, quant.Int4Matrix) and kernel:
         w = quant.dequantize(w, "float32")
     elif quant.is_quantized(w):
         w = quant.dequantize(w)
@@ -125,15 +125,14 @@ def test_layers_linear_takes_the_kernel_at_few_rows_only():
     both give the reference's values."""
     rng = np.random.default_rng(2)
     bias = jnp.asarray(rng.standard_normal(33), jnp.float32)
-    for fmt in ("bfloat16", "int8", "int8_bf16", "int4"):
+    vnni = {"avx512_vnni", "avx512_bf16"} <= cpu_build.cpu_flags()
+    for fmt in ("bfloat16", "int8", "int8_bf16", "int4", "int4_bf16"):
         w = weight(rng, fmt, 33, 96)
         most = linear_cpu.max_rows(w)
-        dots = linear_cpu.integer_dots(w)  # an int8 bfloat16 product on a CPU with VNNI
-        assert dots == (fmt == "int8_bf16" and "avx512_vnni" in cpu_build.cpu_flags())
-        assert not linear_cpu.integer_dots(weight(rng, "int4", 33, 96))  # a float32 product
-        assert (
-            most == linear_cpu.MAX_ROWS["int8_integer_dots" if dots else fmt.removesuffix("_bf16")]
-        )
+        dots = linear_cpu.integer_dots(w)  # a quantized bfloat16 product on a CPU with VNNI
+        assert dots == (fmt.endswith("_bf16") and vnni)
+        name = fmt.removesuffix("_bf16")
+        assert most == linear_cpu.MAX_ROWS[f"{name}_integer_dots" if dots else name]
         for rows in (1, most, most + 1):
             x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
             hlo = jax.jit(layers.linear).lower(x, w, bias).as_text()

@@ -44,7 +44,7 @@ def integer_dots(w: jax.Array | quant.QuantizedMatrix) -> bool:
     """Whether the kernel multiplies quantized matrix `w` by integer dots (vpdpbusd; a bfloat16
     product on a CPU with AVX512-VNNI and AVX512-BF16). Its weights are then exact (q * scale,
     or q * scale + min for int4, not rounded to bfloat16) and x, rounded to bfloat16, is
-    rounded further to 8-bit integers times a power of two per 32 columns (`x_step`): int8
+    rounded further to 8-bit integers times a step per 32 columns (`x_step`): int8
     (linear_cpu_quant.h's tile_dot_int8_vnni) with I a multiple of 32 and one scale a row or
     groups of a multiple of 32 columns; int4 (tile_dot_int4_vnni) always."""
     if not isinstance(w, quant.Int8Matrix | quant.Int4Matrix):
@@ -79,7 +79,11 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 # setting, alternating): the kernel 394-410 tok/s against XLA's 213-220 at 16 rows, 435-458
 # against 371-427 at 32, 449-489 against 642-670 at 64. int8 otherwise 0.23x at 1, 0.53x at
 # 8; int4 in a bfloat16 product (then by Q4_1's algebra in bfloat16 dots; integer dots are
-# 1.1-1.8x faster) 0.01-0.2x at 1-16 rows per product at load 9-11. float32 stays on XLA's
+# 1.1-1.8x faster) 0.01-0.2x at 1-16 rows per product at load 9-11. int4 by integer dots
+# (x as bytes, SmolLM2 int4 decode, the engine, 64 tokens a request, one process per setting,
+# 2026-12-03, median of 4 / two rounds): the kernel 384 / 368 tok/s against XLA's 212 / 206
+# at 32 rows, 404 / 387 against 287 / 310 at 64, 441 against 472 at 128 (one round); int4
+# without them (a float32 product, or no VNNI) keeps 16. float32 stays on XLA's
 # matrix-vector product: at 1 row it was 1.1-3x faster than the kernel ([576, 576],
 # [1536, 576], [576, 1536], [49152, 576], weights from memory).
 MAX_ROWS = {
@@ -88,6 +92,7 @@ MAX_ROWS = {
     "int8": 8,
     "int8_integer_dots": 32,
     "int4": 16,
+    "int4_integer_dots": 64,
 }
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 # Calls of fewer weight bytes (all of their weights together) run on the caller's thread
@@ -151,8 +156,8 @@ def rows_taken(params) -> int:
 
 def max_rows(w: jax.Array | quant.QuantizedMatrix) -> int:
     """The most rows of x at which `layers.linear` runs weight `w` through the kernel."""
-    int8_dots = isinstance(w, quant.Int8Matrix) and integer_dots(w)
-    return MAX_ROWS["int8_integer_dots" if int8_dots else kind(w)[0]]
+    name = kind(w)[0]
+    return MAX_ROWS[f"{name}_integer_dots" if integer_dots(w) else name]
 
 
 def _operands(w: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, jax.Array, jax.Array]:
