@@ -223,6 +223,16 @@ class AsyncEngine:
             loop, outputs = target
             loop.call_soon_threadsafe(outputs.put_nowait, output)
 
+    def _run_commands(self, block: bool) -> None:
+        """Runs the queued commands (waiting for a first one when `block`)."""
+        try:
+            command = self._commands.get(block=block)
+            command()
+            while True:
+                self._commands.get_nowait()()
+        except queue.Empty:
+            pass
+
     def _run(self) -> None:
         try:
             if self._warm_up:
@@ -230,16 +240,12 @@ class AsyncEngine:
             self.ready.set()
             while not self._stopped.is_set():
                 # Block for a command only when there is nothing to compute.
-                block = not self.engine.has_unfinished_requests()
-                try:
-                    command = self._commands.get(block=block)
-                    command()
-                    while True:
-                        self._commands.get_nowait()()
-                except queue.Empty:
-                    pass
+                self._run_commands(block=not self.engine.has_unfinished_requests())
                 for output in self.engine.step():
                     self._deliver(output, output.request_id)
+            # What was queued before the stop still runs: a server's stop aborts every
+            # request, then stops this thread, maybe while it is in a step.
+            self._run_commands(block=False)
         except BaseException as e:  # surface to every waiting client, never hang them
             self.error = e
             self.ready.set()  # waiters see is_dead instead of hanging

@@ -9,7 +9,7 @@ import pytest
 
 import ksana_jax
 from ksana_jax import EngineConfig, SamplingParams
-from ksana_jax.async_engine import AsyncEngine
+from ksana_jax.async_engine import AsyncEngine, RequestAbortedError
 from ksana_jax.engine import LLMEngine
 
 CONFIG = EngineConfig(
@@ -96,3 +96,32 @@ def test_bad_input_raises_in_the_caller(engine):
     last = asyncio.run(main())
     assert last.finished and len(last.outputs[0].token_ids) == 2
     assert engine.error is None
+
+
+def test_abort_all_then_shutdown_frees_every_page(smollm2):
+    """A server's stop: every request aborted, then the engine thread stopped at once, while
+    it is in the middle of a step. The aborts queued before the stop still run: no page is
+    left held (a stop that checked its flag before running them left them running)."""
+    async_engine = AsyncEngine(LLMEngine(smollm2, CONFIG))
+    long = SamplingParams(temperature=0, max_tokens=200)
+
+    async def main() -> list[BaseException]:
+        prompts = PROMPTS[: CONFIG.max_num_seqs]
+        streams = [await async_engine.add_request(f"a{i}", p, long) for i, p in enumerate(prompts)]
+        for stream in streams:
+            await anext(stream)  # every request is running
+        assert async_engine.abort_all("stopping") == len(prompts)
+        async_engine.shutdown()
+        ended = []
+        for stream in streams:
+            with pytest.raises(RequestAbortedError, match="stopping") as e:
+                async for _ in stream:
+                    pass
+            ended.append(e.value)
+        return ended
+
+    assert len(asyncio.run(main())) == CONFIG.max_num_seqs
+    engine = async_engine.engine
+    assert not async_engine._thread.is_alive()
+    assert not engine.has_unfinished_requests()
+    assert engine.pages.num_free == engine.pages.num_usable
