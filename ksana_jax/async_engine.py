@@ -32,7 +32,8 @@ from ksana_jax.tokenizer import Tokenizer
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an unexpected error; no request can proceed."""
+    """The engine thread stopped (on an unexpected error, or shut down); no request can
+    proceed."""
 
 
 class RequestFailedError(RuntimeError):
@@ -40,7 +41,8 @@ class RequestFailedError(RuntimeError):
 
 
 class RequestAbortedError(RuntimeError):
-    """`abort_all` ended the request (the server is shutting down); its pages are freed."""
+    """`abort_all` or `shutdown` ended the request (the server is stopping); its pages are
+    freed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self._closed = False  # the engine thread has ended every stream: no new ones
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ksana-engine", daemon=True)
         self._thread.start()
@@ -125,6 +128,8 @@ class AsyncEngine:
         request_id = group.request_id
         outputs: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            if self._closed:
+                raise EngineDeadError("the engine was shut down")
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
@@ -209,7 +214,9 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 30) -> None:
         """Stops the engine thread after the commands already queued (aborts included);
-        waits up to `timeout` seconds (a warm-up compile is not interrupted)."""
+        requests still running then are aborted (their streams raise RequestAbortedError) and
+        new ones refused. Waits up to `timeout` seconds (a warm-up compile is not
+        interrupted)."""
         self._stopped.set()
         self._commands.put(lambda: None)
         self._thread.join(timeout=timeout)
@@ -222,6 +229,16 @@ class AsyncEngine:
         if target is not None:
             loop, outputs = target
             loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+    def _end_all(self, error: RequestAbortedError) -> None:
+        """At shutdown: every request still running is aborted (its pages freed) and its
+        stream raises `error`; `add_group` refuses from now on."""
+        with self._lock:
+            self._closed = True
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+            self._deliver(error, request_id)
 
     def _run_commands(self, block: bool) -> None:
         """Runs the queued commands (waiting for a first one when `block`)."""
@@ -246,6 +263,7 @@ class AsyncEngine:
             # What was queued before the stop still runs: a server's stop aborts every
             # request, then stops this thread, maybe while it is in a step.
             self._run_commands(block=False)
+            self._end_all(RequestAbortedError("the engine was shut down"))
         except BaseException as e:  # surface to every waiting client, never hang them
             self.error = e
             self.ready.set()  # waiters see is_dead instead of hanging

@@ -9,7 +9,7 @@ import pytest
 
 import ksana_jax
 from ksana_jax import EngineConfig, SamplingParams
-from ksana_jax.async_engine import AsyncEngine, RequestAbortedError
+from ksana_jax.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
 from ksana_jax.engine import LLMEngine
 
 CONFIG = EngineConfig(
@@ -98,30 +98,40 @@ def test_bad_input_raises_in_the_caller(engine):
     assert engine.error is None
 
 
-def test_abort_all_then_shutdown_frees_every_page(smollm2):
-    """A server's stop: every request aborted, then the engine thread stopped at once, while
-    it is in the middle of a step. The aborts queued before the stop still run: no page is
-    left held (a stop that checked its flag before running them left them running)."""
-    async_engine = AsyncEngine(LLMEngine(smollm2, CONFIG))
+def test_shutdown_runs_queued_aborts_then_ends_every_request(smollm2):
+    """Stopping mid-step: the aborts queued before the stop still run (a stop that checked
+    its flag first left them unrun and their pages held), requests still running are ended
+    with RequestAbortedError, no page stays held, and a new request is refused. Both ways a
+    stop comes: the server's (abort_all, then shutdown) and a client gone, then shutdown."""
+    engine = LLMEngine(smollm2, CONFIG)
     long = SamplingParams(temperature=0, max_tokens=200)
+    prompts = PROMPTS[: CONFIG.max_num_seqs]
 
-    async def main() -> list[BaseException]:
-        prompts = PROMPTS[: CONFIG.max_num_seqs]
-        streams = [await async_engine.add_request(f"a{i}", p, long) for i, p in enumerate(prompts)]
+    async def stop(async_engine: AsyncEngine, server: bool) -> list[str]:
+        streams = [await async_engine.add_request(f"r{i}", p, long) for i, p in enumerate(prompts)]
         for stream in streams:
-            await anext(stream)  # every request is running
-        assert async_engine.abort_all("stopping") == len(prompts)
+            await anext(stream)  # every request is running: the engine thread is stepping
+        if server:
+            assert async_engine.abort_all("the server is shutting down") == len(prompts)
+        else:
+            async_engine.abort("r0")  # its client left; it reads no more
+            streams = streams[1:]
         async_engine.shutdown()
-        ended = []
+        messages = []
         for stream in streams:
-            with pytest.raises(RequestAbortedError, match="stopping") as e:
+            with pytest.raises(RequestAbortedError) as e:
                 async for _ in stream:
                     pass
-            ended.append(e.value)
-        return ended
+            messages.append(str(e.value))
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await async_engine.add_request("late", prompts[0], long)
+        return messages
 
-    assert len(asyncio.run(main())) == CONFIG.max_num_seqs
-    engine = async_engine.engine
-    assert not async_engine._thread.is_alive()
-    assert not engine.has_unfinished_requests()
-    assert engine.pages.num_free == engine.pages.num_usable
+    for server, reason in [(True, "the server is shutting down"), (False, "shut down")]:
+        async_engine = AsyncEngine(engine)
+        messages = asyncio.run(stop(async_engine, server))
+        assert len(messages) == len(prompts) - (not server)
+        assert all(reason in m for m in messages), messages
+        assert not async_engine._thread.is_alive()
+        assert not engine.has_unfinished_requests()
+        assert engine.pages.num_free == engine.pages.num_usable
