@@ -138,11 +138,8 @@ def test_sigterm_drains_then_aborts_within_the_timeout(tiny_dir):
     served = Served(tiny_dir, *FLAGS, "--shutdown-timeout", "1", "--log-level", "warning")
     served.wait_healthy()
     events, threads = start_streams(served.url, 20)
-    short: list[list[str]] = []
-    short_body = LONG | {"max_tokens": 8}
-    short_thread = threading.Thread(target=stream, args=(served.url, short, short_body))
-    short_thread.start()
-    time.sleep(0.2)
+    # Running (its first chunk read) before the signal, so that it finishes while draining.
+    short, [short_thread] = start_streams(served.url, 1, LONG | {"max_tokens": 8})
     served.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     with pytest.raises(httpx.TransportError):  # no longer accepting
