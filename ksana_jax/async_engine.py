@@ -75,7 +75,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._closed = False  # the engine thread has ended every stream: no new ones
+        self._closed = False  # shut down: no new streams
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ksana-engine", daemon=True)
         self._thread.start()
@@ -230,16 +230,6 @@ class AsyncEngine:
             loop, outputs = target
             loop.call_soon_threadsafe(outputs.put_nowait, output)
 
-    def _end_all(self, error: RequestAbortedError) -> None:
-        """At shutdown: every request still running is aborted (its pages freed) and its
-        stream raises `error`; `add_group` refuses from now on."""
-        with self._lock:
-            self._closed = True
-            request_ids = list(self._streams)
-        for request_id in request_ids:
-            self.engine.abort_request(request_id)
-            self._deliver(error, request_id)
-
     def _run_commands(self, block: bool) -> None:
         """Runs the queued commands (waiting for a first one when `block`)."""
         try:
@@ -260,10 +250,12 @@ class AsyncEngine:
                 self._run_commands(block=not self.engine.has_unfinished_requests())
                 for output in self.engine.step():
                     self._deliver(output, output.request_id)
-            # What was queued before the stop still runs: a server's stop aborts every
-            # request, then stops this thread, maybe while it is in a step.
+            with self._lock:
+                self._closed = True  # add_group refuses from now on
+            self.abort_all("the engine was shut down")
+            # What was queued before the stop still runs (a server's stop aborts every
+            # request, then stops this thread, maybe mid-step), then those aborts.
             self._run_commands(block=False)
-            self._end_all(RequestAbortedError("the engine was shut down"))
         except BaseException as e:  # surface to every waiting client, never hang them
             self.error = e
             self.ready.set()  # waiters see is_dead instead of hanging
