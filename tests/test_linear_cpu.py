@@ -125,12 +125,13 @@ def test_layers_linear_takes_the_kernel_at_few_rows_only():
     both give the reference's values."""
     rng = np.random.default_rng(2)
     bias = jnp.asarray(rng.standard_normal(33), jnp.float32)
-    vnni = {"avx512_vnni", "avx512_bf16"} <= cpu_build.cpu_flags()
+    flags = cpu_build.cpu_flags()
+    dot_isa = linear_cpu.direct_isa() == "avx2" or {"avx512_vnni", "avx512_bf16"} <= flags
     for fmt in ("bfloat16", "int8", "int8_bf16", "int4", "int4_bf16"):
         w = weight(rng, fmt, 33, 96)
         most = linear_cpu.max_rows(w)
-        dots = linear_cpu.integer_dots(w)  # a quantized bfloat16 product on a CPU with VNNI
-        assert dots == (fmt.endswith("_bf16") and vnni)
+        dots = linear_cpu.integer_dots(w)  # a quantized bfloat16 product, VNNI or AVX2
+        assert dots == (fmt.endswith("_bf16") and dot_isa)
         name = fmt.removesuffix("_bf16")
         assert most == linear_cpu.MAX_ROWS[f"{name}_integer_dots" if dots else name]
         for rows in (1, most, most + 1):
@@ -205,7 +206,8 @@ def test_a_header_the_kernel_includes_is_part_of_its_build_key(tmp_path, monkeyp
     (tmp_path / "b.h").write_text("int b = 2;\n")
     assert cpu_build._source_bytes(source) != key
     real = cpu_build._source_bytes(linear_cpu.SOURCE)
-    assert len(real) == 4  # linear_cpu.cc, cpu_pool.h, linear_cpu_common.h, linear_cpu_quant.h
+    # linear_cpu.cc, cpu_pool.h, linear_cpu_common.h, linear_cpu_quant.h, linear_cpu_avx2.h
+    assert len(real) == 5
 
 
 POOL_SCRIPT = """

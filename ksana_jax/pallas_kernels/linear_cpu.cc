@@ -16,8 +16,9 @@
 // against int8's bytes plus 128, tile_dot_int8_vnni, or int4's 4-bit values, the scales and
 // minimums applied per group after the dot, tile_dot_int4_vnni), and int8 / int4 otherwise at up to kRowTile rows -- multiply the
 // block's rows straight from memory (dequantized in registers), prefetching the bytes after
-// the block in address order (Ahead). Otherwise (more rows without integer dots, or no
-// AVX512-BF16) each block goes kChunk columns at a time:
+// the block in address order (Ahead). A CPU with AVX2 but not AVX512-BF16 has its own direct
+// paths for bfloat16 and for int8 / int4 by integer dots (linear_cpu_avx2.h). Otherwise
+// (more rows without integer dots, or neither) each block goes kChunk columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
 //            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;
 //   phase 2  for every kRowTile of x's rows (read from L1 / L2), a register tile of
@@ -168,6 +169,8 @@ void block_bf16(const Problem& pb, int64_t o, int64_t block, float* acc) {
     w[j] = reinterpret_cast<const uint16_t*>(pb.w) + (o + (j < block ? j : 0)) * pb.in;
   for_row_tiles(pb.rows, [&](auto rt, int64_t r) { tile_dot_bf16<rt>(pb, r, w, acc); });
 }
+#elif defined(KSANA_LINEAR_AVX2)
+constexpr bool kDotBF16 = true;  // block_bf16: linear_cpu_avx2.h's
 #else
 constexpr bool kDotBF16 = false;
 void block_bf16(const Problem&, int64_t, int64_t, float*) {}

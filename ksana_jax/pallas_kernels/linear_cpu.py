@@ -40,13 +40,25 @@ def cpu_has_amx() -> bool:
     return "amx_bf16" in cpu_build.cpu_flags()
 
 
+def direct_isa() -> str | None:
+    """Which of the kernel's direct paths this CPU builds (linear_cpu_common.h decides the same
+    from the compiler's -march=native): "avx512" (AVX512-BF16: vdpbf16ps, and VNNI's vpdpbusd
+    for integer dots), "avx2" (AVX2, FMA and F16C without AVX512-BF16: linear_cpu_avx2.h), or
+    None (the chunked path alone)."""
+    flags = cpu_build.cpu_flags()
+    if "avx512_bf16" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else None
+
+
 def integer_dots(w: jax.Array | quant.QuantizedMatrix) -> bool:
-    """Whether the kernel multiplies quantized matrix `w` by integer dots (vpdpbusd; a bfloat16
-    product on a CPU with AVX512-VNNI and AVX512-BF16). Its weights are then exact (q * scale,
-    or q * scale + min for int4, not rounded to bfloat16) and x, rounded to bfloat16, is
-    rounded further to 8-bit integers times a step per 32 columns (`x_step`): int8
-    (linear_cpu_quant.h's tile_dot_int8_vnni) with I a multiple of 32 and one scale a row or
-    groups of a multiple of 32 columns; int4 (tile_dot_int4_vnni) always."""
+    """Whether the kernel multiplies quantized matrix `w` by integer dots (a bfloat16 product on
+    a CPU with AVX512-VNNI and AVX512-BF16, vpdpbusd, or with AVX2, vpmaddubsw). Its weights are
+    then exact (q * scale, or q * scale + min for int4, not rounded to bfloat16) and x, rounded
+    to bfloat16, is rounded further to 8-bit integers times a step per 32 columns (`x_step`):
+    int8 (linear_cpu_quant.h's tile_dot_int8_vnni, linear_cpu_avx2.h's tile_dot_int8) with I
+    a multiple of 32 and one scale a row or groups of a multiple of 32 columns; int4
+    (tile_dot_int4_vnni, tile_dot_int4) always."""
     if not isinstance(w, quant.Int8Matrix | quant.Int4Matrix):
         return False
     if jnp.dtype(w.dtype) != jnp.bfloat16:
@@ -55,7 +67,8 @@ def integer_dots(w: jax.Array | quant.QuantizedMatrix) -> bool:
         inp, groups = w.shape[-1], w.scales.shape[-1]
         if not (inp % 32 == 0 and (groups == 1 or (inp // groups) % 32 == 0)):
             return False
-    return {"avx512_vnni", "avx512_bf16"} <= cpu_build.cpu_flags()
+    isa = direct_isa()
+    return isa == "avx2" or (isa == "avx512" and "avx512_vnni" in cpu_build.cpu_flags())
 
 
 def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:

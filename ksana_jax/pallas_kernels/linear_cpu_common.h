@@ -7,9 +7,15 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+// The direct paths (no dequantized scratch) are written for AVX-512 with BF16 (vdpbf16ps, and
+// VNNI's vpdpbusd: Zen 4 and 5, Cooper Lake, Sapphire Rapids) and, where those are missing,
+// for AVX2 with FMA and F16C (linear_cpu_avx2.h).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512BF16__)
+#define KSANA_LINEAR_AVX2 1
+#endif
+#if defined(__AVX512F__) || defined(KSANA_LINEAR_AVX2)
 #include <immintrin.h>
-#endif  // vdpbf16ps needs -march with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids)
+#endif
 
 namespace ksana_linear_cpu {
 
@@ -168,7 +174,7 @@ inline void for_row_tiles(int64_t rows, Tile tile) {
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(KSANA_LINEAR_AVX2)
 // The direct paths' prefetching. A tile reads its block's kOutBlock weight rows side by side,
 // a vector of each in turn: kOutBlock streams a row apart, which the hardware's prefetchers
 // follow poorly (Zen 4, rows of 0.75-1.2 KB: ~10 GB/s a core, against ~24 for one sequential

@@ -9,6 +9,9 @@
 #include <vector>
 
 #include "linear_cpu_common.h"
+#if defined(KSANA_LINEAR_AVX2)
+#include "linear_cpu_avx2.h"
+#endif
 
 namespace ksana_linear_cpu {
 
@@ -212,7 +215,7 @@ void block_int8_vnni_tiles(const Problem& pb, const int64_t* rows, float* acc) {
   if (r < pb.rows) tile_dot_int8_vnni<1, kRowScale>(pb, r, rows, acc);
 }
 
-inline void block_int8_vnni(const Problem& pb, int64_t o, int64_t block, float* acc) {
+inline void block_int8_dots(const Problem& pb, int64_t o, int64_t block, float* acc) {
   int64_t rows[kOutBlock];  // rows past the block repeat its first (unused sums)
   for (int j = 0; j < kOutBlock; ++j) rows[j] = o + (j < block ? j : 0);
   if (pb.groups == 1) block_int8_vnni_tiles<true>(pb, rows, acc);
@@ -283,7 +286,7 @@ void tile_dot_int4_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
   store_lane_sums(sums, acc + r0 * kOutBlock);
 }
 
-inline void block_int4_vnni(const Problem& pb, int64_t o, int64_t block, float* acc) {
+inline void block_int4_dots(const Problem& pb, int64_t o, int64_t block, float* acc) {
   int64_t rows[kOutBlock];  // rows past the block repeat its first (unused sums)
   for (int j = 0; j < kOutBlock; ++j) rows[j] = o + (j < block ? j : 0);
   int64_t r = 0;
@@ -291,23 +294,12 @@ inline void block_int4_vnni(const Problem& pb, int64_t o, int64_t block, float* 
   if (r < pb.rows) tile_dot_int4_vnni<1>(pb, r, rows, acc);
 }
 
-constexpr bool kVNNI = true;
+constexpr bool kIntegerDots = true;
 #else
-constexpr bool kVNNI = false;
-inline void block_int8_vnni(const Problem&, int64_t, int64_t, float*) {}
-inline void block_int4_vnni(const Problem&, int64_t, int64_t, float*) {}
+constexpr bool kIntegerDots = false;
+inline void block_int8_dots(const Problem&, int64_t, int64_t, float*) {}
+inline void block_int4_dots(const Problem&, int64_t, int64_t, float*) {}
 #endif
-
-// Whether a weight takes integer dots (where the CPU has AVX512-VNNI, in a bfloat16 product):
-// int8 (tile_dot_int8_vnni) with I a multiple of 32 and groups of a multiple of 32 columns
-// (or one per row); int4 (tile_dot_int4_vnni) always -- every CPU with AVX512-BF16 so far has
-// VNNI; else tile_dot_quant, at up to kRowTile rows.
-inline bool integer_dots_fit(const Problem& pb) {
-  if (!kVNNI || !pb.bf16) return false;
-  if (pb.kind == Kind::kInt4) return true;
-  return pb.kind == Kind::kInt8 && pb.in % 32 == 0 &&
-         (pb.groups == 1 || (pb.in / pb.groups) % 32 == 0);
-}
 
 template <Kind K, bool kBF16>
 void block_quant_rows(const Problem& pb, int64_t o, int64_t block, float* acc) {
@@ -319,33 +311,12 @@ void block_quant_rows(const Problem& pb, int64_t o, int64_t block, float* acc) {
   }
 }
 
-inline void block_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
-  if (pb.integer_dots && pb.kind == Kind::kInt8) {
-    block_int8_vnni(pb, o, block, acc);
-  } else if (pb.kind == Kind::kInt8) {
-    if (pb.bf16) block_quant_rows<Kind::kInt8, true>(pb, o, block, acc);
-    else block_quant_rows<Kind::kInt8, false>(pb, o, block, acc);
-  } else if (pb.integer_dots) {
-    block_int4_vnni(pb, o, block, acc);
-  } else if (pb.bf16) {
-    block_quant_rows<Kind::kInt4, true>(pb, o, block, acc);
-  } else {
-    block_quant_rows<Kind::kInt4, false>(pb, o, block, acc);
-  }
-}
-#else
-constexpr bool kDirectQuant = false;
-inline bool integer_dots_fit(const Problem&) { return false; }
-inline void block_quant(const Problem&, int64_t, int64_t, float*) {}
-#endif
 
-#if defined(__AVX512BF16__)
 // 16 floats to bfloat16 and back: to nearest even, as XLA's convert.
 inline __m512 bf16_rounded(__m512 f) {
   const __m256i h = (__m256i)_mm512_cvtneps_pbh(f);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-#endif
 
 // x for the integer dots (tile_dot_int8_vnni, tile_dot_int4_vnni): each row rounded to
 // bfloat16 (as XLA's dot rounds it), then per group of 32 columns signed bytes q times a
@@ -358,7 +329,6 @@ inline __m512 bf16_rounded(__m512 f) {
 inline void prepare_x8(const float* x, Problem& pb, bool nibble_order, std::vector<int8_t>& x8,
                        std::vector<float>& x8_scale, std::vector<float>& x_sum,
                        std::vector<float>& x8_lanes, std::vector<float>& x_offset) {
-#if defined(__AVX512BF16__)
   const int64_t groups = pb.in / 32;  // I % 32 == 0 (integer_dots_fit)
   pb.x_sum_stride = (groups + 15) / 16 * 16;
   pb.x8_stride = pb.x_sum_stride * 32;
@@ -408,7 +378,50 @@ inline void prepare_x8(const float* x, Problem& pb, bool nibble_order, std::vect
   pb.x_offset = x_offset.data();
   pb.x8_scale = x8_scale.data();
   pb.x_sum = x_sum.data();
-#endif
 }
 
+#elif defined(KSANA_LINEAR_AVX2)
+// linear_cpu_avx2.h's integer dots (block_int8_dots, block_int4_dots, prepare_x8); int8 and
+// int4 without them (a float32 product) take the chunked path.
+constexpr bool kDirectQuant = false;
+constexpr bool kIntegerDots = true;
+template <Kind K, bool kBF16>
+void block_quant_rows(const Problem&, int64_t, int64_t, float*) {}
+#else
+constexpr bool kDirectQuant = false;
+constexpr bool kIntegerDots = false;
+template <Kind K, bool kBF16>
+void block_quant_rows(const Problem&, int64_t, int64_t, float*) {}
+inline void block_int8_dots(const Problem&, int64_t, int64_t, float*) {}
+inline void block_int4_dots(const Problem&, int64_t, int64_t, float*) {}
+inline void prepare_x8(const float*, Problem&, bool, std::vector<int8_t>&, std::vector<float>&,
+                       std::vector<float>&, std::vector<float>&, std::vector<float>&) {}
+#endif
+
+// Whether a weight takes integer dots (where the CPU has AVX512-VNNI or AVX2, in a bfloat16
+// product): int8 (tile_dot_int8_vnni, linear_cpu_avx2.h's tile_dot_int8) with I a multiple
+// of 32 and groups of a multiple of 32 columns (or one per row); int4 (tile_dot_int4_vnni,
+// tile_dot_int4) always -- every CPU with AVX512-BF16 so far has VNNI; else tile_dot_quant
+// at up to kRowTile rows with AVX512-BF16, or the chunked path.
+inline bool integer_dots_fit(const Problem& pb) {
+  if (!kIntegerDots || !pb.bf16) return false;
+  if (pb.kind == Kind::kInt4) return true;
+  return pb.kind == Kind::kInt8 && pb.in % 32 == 0 &&
+         (pb.groups == 1 || (pb.in / pb.groups) % 32 == 0);
+}
+
+inline void block_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  if (pb.integer_dots && pb.kind == Kind::kInt8) {
+    block_int8_dots(pb, o, block, acc);
+  } else if (pb.kind == Kind::kInt8) {
+    if (pb.bf16) block_quant_rows<Kind::kInt8, true>(pb, o, block, acc);
+    else block_quant_rows<Kind::kInt8, false>(pb, o, block, acc);
+  } else if (pb.integer_dots) {
+    block_int4_dots(pb, o, block, acc);
+  } else if (pb.bf16) {
+    block_quant_rows<Kind::kInt4, true>(pb, o, block, acc);
+  } else {
+    block_quant_rows<Kind::kInt4, false>(pb, o, block, acc);
+  }
+}
 }  // namespace ksana_linear_cpu
