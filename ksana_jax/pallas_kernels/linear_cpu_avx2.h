@@ -92,25 +92,32 @@ inline void block_bf16(const Problem& pb, int64_t o, int64_t block, float* acc) 
   for_avx2_row_tiles(pb.rows, [&](auto rt, int64_t r) { tile_dot_bf16<rt>(pb, r, w, acc); });
 }
 
-// n (<= 8) groups' scales or minimums from index i on as float32 lanes, zeros after them.
-inline __m256 load_groups8(const void* p, bool f16, int64_t i, int64_t n) {
-  if (n >= 8) {
-    if (f16)
-      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-          static_cast<const uint16_t*>(p) + i)));
-    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+// n (<= 8) groups' scales or minimums from index i on of an array of `total`, as float32
+// lanes, zeros after them: a whole vector where the array has one, the lanes past n masked
+// (elementwise stores read back as a vector stall on store forwarding: at I = 576 a row's
+// last two groups took a quarter of the product's time).
+inline __m256 load_groups8(const void* p, bool f16, int64_t i, int64_t n, int64_t total) {
+  if (i + 8 <= total) {
+    const __m256 v = f16 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                               reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
+                         : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+    if (n >= 8) return v;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                                _mm256_set1_epi32(static_cast<int>(n)), lane)));
   }
-  alignas(32) float v[8] = {};
+  alignas(32) float v[8] = {};  // the array's last groups
   for (int64_t g = 0; g < n; ++g) v[g] = scale_value(p, f16, i + g);
   return _mm256_load_ps(v);
 }
 
-// The weight row's scales of n (<= 8) groups of 32 columns from group c on (int8: one scale a
-// row, or groups of any multiple of 32 columns; int4: one a group).
-inline __m256 group_scales8(const Problem& pb, int64_t row, int64_t c, int64_t n) {
+// int8 weight row `row`'s scales of n (<= 8) groups of 32 columns from group c on: its one
+// scale, or groups of any multiple of 32 columns.
+inline __m256 int8_scales8(const Problem& pb, int64_t row, int64_t c, int64_t n) {
   if (pb.groups == 1) return _mm256_set1_ps(scale_value(pb.scales, pb.scales_f16, row));
+  if (pb.groups * 32 == pb.in)
+    return load_groups8(pb.scales, pb.scales_f16, row * pb.groups + c, n, pb.out * pb.groups);
   const int64_t group = pb.in / pb.groups;  // a multiple of 32 (integer_dots_fit)
-  if (group == 32) return load_groups8(pb.scales, pb.scales_f16, row * pb.groups + c, n);
   alignas(32) float s[8] = {};
   for (int64_t g = 0; g < n; ++g)
     s[g] = scale_value(pb.scales, pb.scales_f16, row * pb.groups + (c + g) * 32 / group);
@@ -144,10 +151,15 @@ struct GroupScales {
   template <Kind K>
   void load(const Problem& pb, int64_t r0, const int64_t* rows, int64_t c, int64_t n,
             __m256 (&sums)[RT][kOutBlock]) {
+    const int64_t total = pb.out * pb.groups;
     for (int j = 0; j < kOutBlock; ++j) {
-      const __m256 s = group_scales8(pb, rows[j], c, n);
-      __m256 m = _mm256_setzero_ps();
-      if constexpr (K == Kind::kInt4) m = load_groups8(pb.mins, pb.mins_f16, rows[j] * pb.groups + c, n);
+      __m256 s, m = _mm256_setzero_ps();
+      if constexpr (K == Kind::kInt4) {
+        s = load_groups8(pb.scales, pb.scales_f16, rows[j] * pb.groups + c, n, total);
+        m = load_groups8(pb.mins, pb.mins_f16, rows[j] * pb.groups + c, n, total);
+      } else {
+        s = int8_scales8(pb, rows[j], c, n);
+      }
       for (int r = 0; r < RT; ++r) {
         const int64_t at = (r0 + r) * pb.x_sum_stride + c;
         const __m256 d8 = _mm256_mul_ps(s, _mm256_loadu_ps(pb.x8_scale + at));
