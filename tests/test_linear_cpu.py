@@ -108,6 +108,27 @@ def test_kernel_equals_the_jnp_reference(fmt):
             np.testing.assert_allclose(got, want, atol=2e-6 * scale * np.sqrt(inp), rtol=0)
 
 
+def test_int8_weights_of_every_byte_value_equal_the_reference():
+    """int8 values over the whole byte range, -128 included (a GGUF Q8_0 block may hold it;
+    quant.quantize stops at -127), against x whose groups reach +-127 steps: the integer dots'
+    byte products (AVX2: |w| as unsigned bytes, -128 read as 128, times x with w's sign;
+    AVX-512: w + 128) must stay exact, not saturate or wrap."""
+    rng = np.random.default_rng(5)
+    kernel = jax.jit(linear_cpu.linear)
+    for out, inp, groups, scale_dtype in [(33, 576, 18, np.float16), (7, 96, 1, np.float32)]:
+        values = rng.integers(-128, 128, (out, inp), dtype=np.int8)
+        values[:, :32] = -128  # a whole group of the extreme, and pairs of it everywhere
+        values[:, 32:64] = 127
+        scales = (rng.random((out, groups)) / 100).astype(scale_dtype)
+        w = jax.tree.map(jnp.asarray, quant.Int8Matrix(values, scales, "bfloat16"))
+        for rows in (1, 2, 3):
+            x = rng.standard_normal((rows, inp)).astype(np.float32)
+            x[0, :64] = -4.0  # every column its group's largest magnitude: q = -127
+            got, want = kernel(jnp.asarray(x), w), reference(jnp.asarray(x), w)
+            scale = float(jnp.max(jnp.abs(want))) + 1
+            np.testing.assert_allclose(got, want, atol=2e-6 * scale * np.sqrt(inp), rtol=0)
+
+
 def test_refuses_what_it_does_not_take():
     rng = np.random.default_rng(1)
     odd_groups = quant.Int8Matrix(jnp.zeros((4, 24), jnp.int8), jnp.ones((4, 3), jnp.float32))

@@ -87,7 +87,9 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 # where it has AMX, XLA's dot runs on its tiles, which the kernel's vdpbf16ps cannot match
 # past a few rows (2-core Xeon with AMX, 2026-12-02, the engine: the kernel decoded 1.10x
 # XLA's tokens/s at 8 rows, 0.84x at 16, 0.67x at 32, 0.49-0.52x at 64); without AMX (Zen 5,
-# AVX-512 BF16) the kernel was ahead up to 64 rows (1.12-1.28x at 32, 1.02-1.11x at 64).
+# AVX-512 BF16) the kernel was ahead up to 64 rows (1.12-1.28x at 32, 1.02-1.11x at 64); with
+# AVX2 alone (Zen 3, 2026-12-03, benchmarks/quant.py): 1.42x at 16 rows, 0.87-1.07x at 32,
+# 0.82x at 64 (there int4 by integer dots was 1.04x XLA's, and at 16 rows int8 1.9x, int4 3.3x).
 # int8 by integer dots (`integer_dots`; SmolLM2 int8 decode, the engine, one process per
 # setting, alternating): the kernel 394-410 tok/s against XLA's 213-220 at 16 rows, 435-458
 # against 371-427 at 32, 449-489 against 642-670 at 64. int8 otherwise 0.23x at 1, 0.53x at
@@ -101,7 +103,7 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 # [1536, 576], [576, 1536], [49152, 576], weights from memory).
 MAX_ROWS = {
     "float32": 0,
-    "bfloat16": 8 if cpu_has_amx() else 64,
+    "bfloat16": 8 if cpu_has_amx() else 64 if direct_isa() == "avx512" else 16,
     "int8": 8,
     "int8_integer_dots": 32,
     "int4": 16,
