@@ -57,6 +57,14 @@ inline vf bytes_to_float(const void* p) {
   const __m512i i = kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
   const __m512 v = _mm512_cvtepi32_ps(i);
   std::memcpy(&f, &v, sizeof(vf));
+#elif defined(KSANA_LINEAR_AVX2)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  const __m128i b_hi = _mm_srli_si128(b, 8);
+  const __m256 lo = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  const __m256 hi =
+      _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(b_hi) : _mm256_cvtepu8_epi32(b_hi));
+  std::memcpy(&f, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&f) + sizeof(lo), &hi, sizeof(hi));
 #else
   for (int i = 0; i < kLanes; ++i)
     f[i] = kSigned ? static_cast<const int8_t*>(p)[i] : static_cast<const uint8_t*>(p)[i];
