@@ -17,7 +17,8 @@
 // minimums applied per group after the dot, tile_dot_int4_vnni), and int8 / int4 otherwise at up to kRowTile rows -- multiply the
 // block's rows straight from memory (dequantized in registers), prefetching the bytes after
 // the block in address order (Ahead). A CPU with AVX2 but not AVX512-BF16 has its own direct
-// paths for bfloat16 and for int8 / int4 by integer dots (linear_cpu_avx2.h). Otherwise
+// paths for bfloat16, for int8 / int4 by integer dots and, without them, for int8 / int4
+// dequantized in registers at up to kRowTile rows (linear_cpu_avx2.h). Otherwise
 // (more rows without integer dots, or neither) each block goes kChunk columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
 //            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;

@@ -92,6 +92,100 @@ inline void block_bf16(const Problem& pb, int64_t o, int64_t block, float* acc) 
   for_avx2_row_tiles(pb.rows, [&](auto rt, int64_t r) { tile_dot_bf16<rt>(pb, r, w, acc); });
 }
 
+// 8 floats rounded to bfloat16 (to nearest even, as XLA's convert; NaN stays NaN), kept in
+// float32.
+inline __m256 bf16_rounded(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(
+      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)),
+      _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+// 8 bytes to 8 floats.
+template <bool kSigned>
+inline __m256 bytes8_to_float(__m128i b) {
+  return _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+// int8 and int4 weights where integer dots do not apply (a float32 product, or int8 groups
+// of 16 columns), at up to kRowTile rows of x: each 32 columns of the block's weight rows
+// dequantized in registers (widened to float32, times the scale, plus the minimum for int4;
+// for a bfloat16 product rounded to bfloat16, x widened from x_bf16) and multiplied there by
+// FMAs, as linear_cpu_quant.h's AVX-512 tile_dot_quant. An int8 row's last I % 32 columns
+// come through a zeroed copy (AVX2 has no masked byte loads).
+template <int RT, Kind K, bool kBF16>
+void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  int64_t rows[kOutBlock];
+  for (int j = 0; j < kOutBlock; ++j) rows[j] = o + (j < block ? j : 0);
+  __m256 sums[RT][kOutBlock];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm256_setzero_ps();
+  float s[kOutBlock][2];    // int8: the scales of this step's two vectors of 16 columns
+  int32_t g[2] = {-1, -1};  // and their groups
+  Ahead ahead(pb.w + o * pb.row_bytes, pb.row_bytes, true);  // one tile of all rows
+  constexpr int64_t kLineColumns = K == Kind::kInt8 ? 64 : 128;
+  const __m128i low4 = _mm_set1_epi8(0xF);
+  for (int64_t k = 0; k < pb.in; k += 32) {
+    __m256 w[kOutBlock][4];  // columns k..k+31, 8 a vector
+    if constexpr (K == Kind::kInt8) {
+      for (int h = 0; h < 2; ++h) {
+        const int32_t group = pb.vector_group[k / 16 + h];
+        if (group == g[h]) continue;
+        g[h] = group;
+        for (int j = 0; j < kOutBlock; ++j)
+          s[j][h] = scale_value(pb.scales, pb.scales_f16, rows[j] * pb.groups + group);
+      }
+    }
+    for (int j = 0; j < kOutBlock; ++j) {
+      if (k % kLineColumns == 0) ahead.step();
+      __m128i b_lo, b_hi;  // int8: columns k..k+15 and k+16..k+31; int4: the packed group
+      if constexpr (K == Kind::kInt8) {
+        const int8_t* at = reinterpret_cast<const int8_t*>(pb.w) + rows[j] * pb.in + k;
+        alignas(16) int8_t tail[32] = {};
+        if (pb.in - k < 32) at = static_cast<const int8_t*>(std::memcpy(tail, at, pb.in - k));
+        b_lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+        b_hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16));
+        const __m256 s_lo = _mm256_set1_ps(s[j][0]), s_hi = _mm256_set1_ps(s[j][1]);
+        w[j][0] = _mm256_mul_ps(bytes8_to_float<true>(b_lo), s_lo);
+        w[j][1] = _mm256_mul_ps(bytes8_to_float<true>(_mm_srli_si128(b_lo, 8)), s_lo);
+        w[j][2] = _mm256_mul_ps(bytes8_to_float<true>(b_hi), s_hi);
+        w[j][3] = _mm256_mul_ps(bytes8_to_float<true>(_mm_srli_si128(b_hi, 8)), s_hi);
+      } else {  // int4: I % 32 == 0, one group a step (GGUF Q4_1's nibbles)
+        const int64_t gi = rows[j] * pb.groups + k / 32;
+        const __m256 sc = _mm256_set1_ps(scale_value(pb.scales, pb.scales_f16, gi));
+        const __m256 mn = _mm256_set1_ps(scale_value(pb.mins, pb.mins_f16, gi));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+            reinterpret_cast<const uint8_t*>(pb.w) + (rows[j] * pb.in + k) / 2));
+        b_lo = _mm_and_si128(b, low4);
+        b_hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+        w[j][0] = _mm256_fmadd_ps(bytes8_to_float<false>(b_lo), sc, mn);
+        w[j][1] = _mm256_fmadd_ps(bytes8_to_float<false>(_mm_srli_si128(b_lo, 8)), sc, mn);
+        w[j][2] = _mm256_fmadd_ps(bytes8_to_float<false>(b_hi), sc, mn);
+        w[j][3] = _mm256_fmadd_ps(bytes8_to_float<false>(_mm_srli_si128(b_hi, 8)), sc, mn);
+      }
+      if constexpr (kBF16)
+        for (int v = 0; v < 4; ++v) w[j][v] = bf16_rounded(w[j][v]);
+    }
+    for (int r = 0; r < RT; ++r) {
+      __m256 xv[4];  // zeros past I (padded x, x_bf16)
+      for (int v = 0; v < 4; ++v) {
+        if constexpr (kBF16)
+          xv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(
+              _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                  pb.x_bf16 + r * pb.x_bf16_stride + k + 8 * v))),
+              16));
+        else
+          xv[v] = _mm256_loadu_ps(pb.x + r * pb.x_stride + k + 8 * v);
+      }
+      for (int j = 0; j < kOutBlock; ++j)
+        for (int v = 0; v < 4; ++v) sums[r][j] = _mm256_fmadd_ps(xv[v], w[j][v], sums[r][j]);
+    }
+  }
+  store_sums8(sums, acc);
+}
+
 // n (<= 8) groups' scales or minimums from index i on of an array of `total`, as float32
 // lanes, zeros after them: a whole vector where the array has one, the lanes past n masked
 // (elementwise stores read back as a vector stall on store forwarding: at I = 576 a row's
@@ -266,17 +360,6 @@ inline void block_int4_dots(const Problem& pb, int64_t o, int64_t block, float* 
   int64_t rows[kOutBlock];  // rows past the block repeat its first (unused sums)
   for (int j = 0; j < kOutBlock; ++j) rows[j] = o + (j < block ? j : 0);
   for_avx2_row_tiles(pb.rows, [&](auto rt, int64_t r) { tile_dot_int4<rt>(pb, r, rows, acc); });
-}
-
-// 8 floats rounded to bfloat16 (to nearest even, as XLA's convert; NaN stays NaN), kept in
-// float32.
-inline __m256 bf16_rounded(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_and_si256(
-      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)),
-      _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
-  return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
 inline float max8(__m256 v) {

@@ -381,12 +381,19 @@ inline void prepare_x8(const float* x, Problem& pb, bool nibble_order, std::vect
 }
 
 #elif defined(KSANA_LINEAR_AVX2)
-// linear_cpu_avx2.h's integer dots (block_int8_dots, block_int4_dots, prepare_x8); int8 and
-// int4 without them (a float32 product) take the chunked path.
-constexpr bool kDirectQuant = false;
+// linear_cpu_avx2.h's integer dots (block_int8_dots, block_int4_dots, prepare_x8) and, without
+// them, its tile_dot_quant at up to kRowTile rows.
+constexpr bool kDirectQuant = true;
 constexpr bool kIntegerDots = true;
 template <Kind K, bool kBF16>
-void block_quant_rows(const Problem&, int64_t, int64_t, float*) {}
+void block_quant_rows(const Problem& pb, int64_t o, int64_t block, float* acc) {
+  switch (pb.rows) {  // up to kRowTile: 2, or 4 on a CPU with AVX-512F (32 registers)
+    case 4: tile_dot_quant<4, K, kBF16>(pb, o, block, acc); break;
+    case 3: tile_dot_quant<3, K, kBF16>(pb, o, block, acc); break;
+    case 2: tile_dot_quant<2, K, kBF16>(pb, o, block, acc); break;
+    default: tile_dot_quant<1, K, kBF16>(pb, o, block, acc); break;
+  }
+}
 #else
 constexpr bool kDirectQuant = false;
 constexpr bool kIntegerDots = false;
