@@ -19,9 +19,6 @@ namespace ksana_linear_cpu {
 
 constexpr int kAvx2RowTile = 2;  // rows of x a tile: 8 accumulators of 16 registers
 
-inline float scale_value(const void* p, bool f16, int64_t i) {
-  return f16 ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
-}
 
 // out[r * kOutBlock + j] = the sum of v[r][j]'s lanes: two horizontal adds a row give the
 // four sums of each 128-bit half, the halves added. By reference into an inlined function:
@@ -122,21 +119,14 @@ void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
   __m256 sums[RT][kOutBlock];
   for (int r = 0; r < RT; ++r)
     for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm256_setzero_ps();
-  float s[kOutBlock][2];    // int8: the scales of this step's two vectors of 16 columns
-  int32_t g[2] = {-1, -1};  // and their groups
+  Int8StepScales scales;  // int8's
   Ahead ahead(pb.w + o * pb.row_bytes, pb.row_bytes, true);  // one tile of all rows
   constexpr int64_t kLineColumns = K == Kind::kInt8 ? 64 : 128;
   const __m128i low4 = _mm_set1_epi8(0xF);
   for (int64_t k = 0; k < pb.in; k += 32) {
     __m256 w[kOutBlock][4];  // columns k..k+31, 8 a vector
     if constexpr (K == Kind::kInt8) {
-      for (int h = 0; h < 2; ++h) {
-        const int32_t group = pb.vector_group[k / 16 + h];
-        if (group == g[h]) continue;
-        g[h] = group;
-        for (int j = 0; j < kOutBlock; ++j)
-          s[j][h] = scale_value(pb.scales, pb.scales_f16, rows[j] * pb.groups + group);
-      }
+      scales.at(pb, rows, k);
     }
     for (int j = 0; j < kOutBlock; ++j) {
       if (k % kLineColumns == 0) ahead.step();
@@ -147,15 +137,15 @@ void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
         if (pb.in - k < 32) at = static_cast<const int8_t*>(std::memcpy(tail, at, pb.in - k));
         b_lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
         b_hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16));
-        const __m256 s_lo = _mm256_set1_ps(s[j][0]), s_hi = _mm256_set1_ps(s[j][1]);
+        const __m256 s_lo = _mm256_set1_ps(scales.s[j][0]), s_hi = _mm256_set1_ps(scales.s[j][1]);
         w[j][0] = _mm256_mul_ps(bytes8_to_float<true>(b_lo), s_lo);
         w[j][1] = _mm256_mul_ps(bytes8_to_float<true>(_mm_srli_si128(b_lo, 8)), s_lo);
         w[j][2] = _mm256_mul_ps(bytes8_to_float<true>(b_hi), s_hi);
         w[j][3] = _mm256_mul_ps(bytes8_to_float<true>(_mm_srli_si128(b_hi, 8)), s_hi);
       } else {  // int4: I % 32 == 0, one group a step (GGUF Q4_1's nibbles)
         const int64_t gi = rows[j] * pb.groups + k / 32;
-        const __m256 sc = _mm256_set1_ps(scale_value(pb.scales, pb.scales_f16, gi));
-        const __m256 mn = _mm256_set1_ps(scale_value(pb.mins, pb.mins_f16, gi));
+        const __m256 sc = _mm256_set1_ps(scale_at(pb.scales, pb.scales_f16, gi));
+        const __m256 mn = _mm256_set1_ps(scale_at(pb.mins, pb.mins_f16, gi));
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
             reinterpret_cast<const uint8_t*>(pb.w) + (rows[j] * pb.in + k) / 2));
         b_lo = _mm_and_si128(b, low4);
@@ -201,20 +191,20 @@ inline __m256 load_groups8(const void* p, bool f16, int64_t i, int64_t n, int64_
                                 _mm256_set1_epi32(static_cast<int>(n)), lane)));
   }
   alignas(32) float v[8] = {};  // the array's last groups
-  for (int64_t g = 0; g < n; ++g) v[g] = scale_value(p, f16, i + g);
+  for (int64_t g = 0; g < n; ++g) v[g] = scale_at(p, f16, i + g);
   return _mm256_load_ps(v);
 }
 
 // int8 weight row `row`'s scales of n (<= 8) groups of 32 columns from group c on: its one
 // scale, or groups of any multiple of 32 columns.
 inline __m256 int8_scales8(const Problem& pb, int64_t row, int64_t c, int64_t n) {
-  if (pb.groups == 1) return _mm256_set1_ps(scale_value(pb.scales, pb.scales_f16, row));
+  if (pb.groups == 1) return _mm256_set1_ps(scale_at(pb.scales, pb.scales_f16, row));
   if (pb.groups * 32 == pb.in)
     return load_groups8(pb.scales, pb.scales_f16, row * pb.groups + c, n, pb.out * pb.groups);
   const int64_t group = pb.in / pb.groups;  // a multiple of 32 (integer_dots_fit)
   alignas(32) float s[8] = {};
   for (int64_t g = 0; g < n; ++g)
-    s[g] = scale_value(pb.scales, pb.scales_f16, row * pb.groups + (c + g) * 32 / group);
+    s[g] = scale_at(pb.scales, pb.scales_f16, row * pb.groups + (c + g) * 32 / group);
   return _mm256_load_ps(s);
 }
 

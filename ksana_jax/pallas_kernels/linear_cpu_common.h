@@ -13,7 +13,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512BF16__)
 #define KSANA_LINEAR_AVX2 1
 #endif
-#if defined(__AVX512F__) || defined(KSANA_LINEAR_AVX2)
+#if defined(__AVX512F__) || defined(KSANA_LINEAR_AVX2) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -241,8 +241,32 @@ struct Problem {
   float* y;        // [R, O]
 };
 
+// Element i of a float32 or float16 (`f16`) array of scales or minimums.
 inline float scale_at(const void* p, bool f16, int64_t i) {
-  return f16 ? f16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+  if (!f16) return static_cast<const float*>(p)[i];
+#if defined(__F16C__)
+  return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+#else
+  return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+#endif
 }
+
+// An int8 block's scales for a step of 32 columns (its two vectors of 16), for the direct
+// paths' in-register dequantization (tile_dot_quant): looked up again only when a vector's
+// group changes (groups are whole vectors of 16 columns).
+struct Int8StepScales {
+  float s[kOutBlock][2];  // [weight row of the block][vector]
+  int32_t g[2] = {-1, -1};
+
+  void at(const Problem& pb, const int64_t* rows, int64_t k) {
+    for (int h = 0; h < 2; ++h) {
+      const int32_t group = pb.vector_group[k / 16 + h];
+      if (group == g[h]) continue;
+      g[h] = group;
+      for (int j = 0; j < kOutBlock; ++j)
+        s[j][h] = scale_at(pb.scales, pb.scales_f16, rows[j] * pb.groups + group);
+    }
+  }
+};
 
 }  // namespace ksana_linear_cpu

@@ -18,9 +18,6 @@ namespace ksana_linear_cpu {
 #if defined(__AVX512BF16__)
 constexpr bool kDirectQuant = true;
 
-inline float scale_value(const void* p, bool f16, int64_t i) {
-  return f16 ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
-}
 
 // int8 and int4 weights at up to kRowTile rows of x (where integer dots do not apply): each 32 columns
 // of the block's weight rows are dequantized in registers (widened to float32, times the
@@ -36,21 +33,14 @@ void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
   __m512 sums[RT][kOutBlock];
   for (int r = 0; r < RT; ++r)
     for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
-  float s[kOutBlock][2];    // int8: the scales of this step's two vectors of 16 columns
-  int32_t g[2] = {-1, -1};  // and their groups
+  Int8StepScales scales;  // int8's
   Ahead ahead(pb.w + o * pb.row_bytes, pb.row_bytes, true);  // one tile of all rows
   // A step reads 32 bytes of each row (int8) or 16 (int4): a line every 2 or 4 steps.
   constexpr int64_t kLineColumns = K == Kind::kInt8 ? 64 : 128;
   for (int64_t k = 0; k < pb.in; k += 32) {
     __m512 lo[kOutBlock], hi[kOutBlock];  // columns k..k+15 and k+16..k+31
     if constexpr (K == Kind::kInt8) {
-      for (int h = 0; h < 2; ++h) {
-        const int32_t group = pb.vector_group[k / 16 + h];
-        if (group == g[h]) continue;
-        g[h] = group;
-        for (int j = 0; j < kOutBlock; ++j)
-          s[j][h] = scale_value(pb.scales, pb.scales_f16, rows[j] * pb.groups + group);
-      }
+      scales.at(pb, rows, k);
       const int64_t left = pb.in - k;
       const __mmask16 m_lo = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
       const __mmask16 m_hi =
@@ -65,16 +55,16 @@ void tile_dot_quant(const Problem& pb, int64_t o, int64_t block, float* acc) {
                                  ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))
                                  : _mm_maskz_loadu_epi8(m_hi, w + 16);
         lo[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b_lo)),
-                              _mm512_set1_ps(s[j][0]));
+                              _mm512_set1_ps(scales.s[j][0]));
         hi[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b_hi)),
-                              _mm512_set1_ps(s[j][1]));
+                              _mm512_set1_ps(scales.s[j][1]));
       }
     } else {  // int4: I % 32 == 0, one group a step (GGUF Q4_1's nibbles, see the top)
       const __m128i low4 = _mm_set1_epi8(0xF);
       for (int j = 0; j < kOutBlock; ++j) {
         const int64_t gi = rows[j] * pb.groups + k / 32;
-        const __m512 sc = _mm512_set1_ps(scale_value(pb.scales, pb.scales_f16, gi));
-        const __m512 mn = _mm512_set1_ps(scale_value(pb.mins, pb.mins_f16, gi));
+        const __m512 sc = _mm512_set1_ps(scale_at(pb.scales, pb.scales_f16, gi));
+        const __m512 mn = _mm512_set1_ps(scale_at(pb.mins, pb.mins_f16, gi));
         const uint8_t* w = reinterpret_cast<const uint8_t*>(pb.w) + (rows[j] * pb.in + k) / 2;
         if (k % kLineColumns == 0) ahead.step();
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
@@ -126,13 +116,13 @@ inline __m512i weight_bytes64(const char* w, int64_t at, int64_t total) {
 // The weights' scales of 16 groups of 32 columns from group c on, a lane a group (masked:
 // zeros past the row's last): int8's one scale a row, or groups of any multiple of 32 columns.
 inline __m512 int8_scales16(const Problem& pb, int64_t row, int64_t c, __mmask16 mask) {
-  if (pb.groups == 1) return _mm512_set1_ps(scale_value(pb.scales, pb.scales_f16, row));
+  if (pb.groups == 1) return _mm512_set1_ps(scale_at(pb.scales, pb.scales_f16, row));
   const int64_t group = pb.in / pb.groups;  // a multiple of 32 (integer_dots_fit)
   if (group == 32) return load_groups(pb.scales, pb.scales_f16, row * pb.groups + c, mask);
   alignas(64) float s[16] = {};
   for (int i = 0; i < 16; ++i)
     if (mask >> i & 1)
-      s[i] = scale_value(pb.scales, pb.scales_f16, row * pb.groups + (c + i) * 32 / group);
+      s[i] = scale_at(pb.scales, pb.scales_f16, row * pb.groups + (c + i) * 32 / group);
   return _mm512_load_ps(s);
 }
 
@@ -200,7 +190,7 @@ void tile_dot_int8_vnni(const Problem& pb, int64_t r0, const int64_t* rows, floa
   store_lane_sums(sums, out);
   if constexpr (kRowScale)
     for (int j = 0; j < kOutBlock; ++j) {
-      const float s = scale_value(pb.scales, pb.scales_f16, rows[j]);
+      const float s = scale_at(pb.scales, pb.scales_f16, rows[j]);
       for (int r = 0; r < RT; ++r) {
         float& y = out[r * kOutBlock + j];
         y = (y + pb.x_offset[r0 + r]) * s;
