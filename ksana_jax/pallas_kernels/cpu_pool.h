@@ -57,6 +57,9 @@ class SpinPool {
 
   bool enabled() const { return spin_ns_ > 0 && !threads_.empty(); }
 
+  // The threads a call runs on: the pool's and the caller.
+  int64_t workers() const { return static_cast<int64_t>(threads_.size()) + 1; }
+
   // Calls fn(ctx, i) for every i in [0, n) on the caller and the pool's threads; returns
   // when all have finished. `spin`: the threads spin for the next call before sleeping.
   bool try_run(int64_t n, void (*fn)(void*, int64_t), void* ctx, bool spin) {
