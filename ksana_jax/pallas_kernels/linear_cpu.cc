@@ -281,9 +281,10 @@ void run_items(ffi::ThreadPool& pool, const std::vector<Problem>& problems,
   // Guided: each item a 2 workers'th of the rows left (of all the call's weights), down to
   // an 8 workers'th of them all, whole register tiles: few long streams while all are
   // left, small ones at the end to even out the workers' finish -- a worker that joins late
-  // or loses its core a while (2026-12-03, 2 cores: the engine's host thread takes one for
-  // ~1 ms a step) takes what is left. Against 4 equal items a worker, one decode step's
-  // int4 layer products (2 threads, C++ alone) took 0.5-10% less time.
+  // or loses its core a while (2026-12-03, 2 cores, async scheduling: the engine's thread
+  // takes one for a third of an int4 step, and the pool's thread joined 64% of the calls)
+  // takes what is left. Against 4 equal items a worker, one decode step's int4 layer
+  // products (2 threads, C++ alone) took 0.4-9% less time.
   auto whole = [](int64_t n) { return (n + kOutBlock - 1) / kOutBlock * kOutBlock; };
   const int64_t least = std::max<int64_t>(kOutBlock, whole(out / (8 * workers)));
   // Kept per thread (no allocation a call); the pool's threads see it by this reference (a
