@@ -13,7 +13,7 @@ Last, the host's side of a step's launch: the CPU time the engine's thread spend
 jitted forward call itself (JAX's C++ dispatch: a pytree flatten, a signature and a PjRt
 buffer hold per array argument), beside the number of arrays the call takes. On 2 cores it
 is not free even with async scheduling: it takes the core the kernels' second thread would
-have (2026-12-03: 1.3 ms a step for bfloat16's 272 parameter arrays, 2.6 ms for int4's 694).
+have (2026-12-03: 1.7 ms a step for bfloat16's 272 parameter arrays, 3.2 ms for int4's 694).
 """
 
 from __future__ import annotations
