@@ -126,8 +126,8 @@ def step_table(rng, dtype: str, rows_list, repeats: int, bandwidth: float) -> No
 
 def decode_products(fused: bool, activation: bool = True):
     """One decode step's products as the model runs them: per layer q/k/v, o, gate/up, the
-    activation, down, the residual; then the LM head. `fused`: layers.linears's one call per
-    shared input, else one call per weight. Without `activation` down takes gate + up (one
+    activation, down, the residual; then the LM head. `fused`: linear_cpu.linears's one call
+    per shared input, else one call per weight. Without `activation` down takes gate + up (one
     elementwise op fewer: the most a kernel writing silu(gate) * up itself could save)."""
 
     def several(x, *weights):

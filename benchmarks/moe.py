@@ -77,7 +77,7 @@ def moe_layer(cfg: ModelConfig, method: str):
 
 
 def dense_layer(w, x):
-    return layers.gated_mlp(x, w["w_gate"], w["w_up"], w["w_down"])
+    return layers.gated_mlp(x, w)  # w_gate and w_up apart, as an expert's
 
 
 def measure(fn, w, x, repeats: int) -> tuple[float, float, float]:

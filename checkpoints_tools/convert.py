@@ -89,8 +89,8 @@ def _write_staged(source: Source, output_dir: Path) -> None:
             (staging / checkpoint.GENERATION_CONFIG_FILE).write_text(
                 json.dumps(source.generation_config, indent=2) + "\n"
             )
-        checkpoint.save_params(staging / checkpoint.PARAMS_DIR, source.params)
-        checkpoint.write_quantization(staging, source.params, source.quantization)
+        checkpoint.save_params(staging / checkpoint.PARAMS_DIR, source.params, source.config)
+        checkpoint.write_quantization(staging, source.params, source.config, source.quantization)
         checkpoint.write_layout(staging)  # the marker, last: only a complete directory has it
         staged.swap_in(staging, output_dir)
     except BaseException:

@@ -212,21 +212,23 @@ def has_current_layout(path: Path) -> bool:
         return False
 
 
-def save_params(path: Path, params: registry.Params) -> None:
+def save_params(path: Path, params: registry.Params, cfg: ModelConfig) -> None:
     """Writes params as an orbax checkpoint at `path` (which must not exist); a quantized
     matrix as a dict of its arrays (write_quantization names its format)."""
     flat = {
         name: quant.to_arrays(value) if quant.is_quantized(value) else value
-        for name, value in registry.params_to_flat(params).items()
+        for name, value in registry.params_to_flat(params, cfg).items()
     }
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(Path(path).absolute(), flat)
     checkpointer.wait_until_finished()
 
 
-def write_quantization(path: Path, params: registry.Params, quantization: str | None) -> None:
+def write_quantization(
+    path: Path, params: registry.Params, cfg: ModelConfig, quantization: str | None
+) -> None:
     """quantization.json naming each quantized parameter's format (nothing for float params)."""
-    formats = quant.formats(registry.params_to_flat(params))
+    formats = quant.formats(registry.params_to_flat(params, cfg))
     if quantization is None and not formats:
         return
     data = {"quantization": quantization, "formats": formats}

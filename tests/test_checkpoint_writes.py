@@ -41,17 +41,15 @@ def sources(tmp_path_factory):
 @pytest.fixture(scope="module")
 def flats(sources):
     """Each source's params as numpy arrays by flat name: {"old": ..., "new": ...}."""
-    flat = {
-        n: registry.params_to_flat(read_source(p).params)
-        for n, p in zip(("old", "new"), sources, strict=True)
-    }
+    read = {n: read_source(p) for n, p in zip(("old", "new"), sources, strict=True)}
+    flat = {n: registry.params_to_flat(s.params, s.config) for n, s in read.items()}
     return {name: {k: np.asarray(v) for k, v in params.items()} for name, params in flat.items()}
 
 
 def which(out: Path, flats) -> str:
     """ "old" or "new": which complete checkpoint `out` loads as (fails if neither)."""
     model = ksana_jax.load(out)
-    got = {k: np.asarray(v) for k, v in registry.params_to_flat(model.params).items()}
+    got = {k: np.asarray(v) for k, v in registry.params_to_flat(model.params, model.config).items()}
     for name, want in flats.items():
         if got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want):
             return name

@@ -431,7 +431,7 @@ def test_failure_while_writing_leaves_no_output_and_no_staging(src, tmp_path, mo
     out = parent / "ckpt"
     seen: dict[str, Path] = {}
 
-    def failing_save_params(path, params):
+    def failing_save_params(path, params, cfg):
         staging = Path(path).parent
         seen["staging"] = staging
         assert staging.parent == parent and staging != out
@@ -458,7 +458,7 @@ def test_failed_forced_overwrite_keeps_the_previous_checkpoint(src, tmp_path, mo
     out = convert(src, tmp_path / "ckpt")
     before = snapshot(out)
 
-    def failing_save_params(path, params):
+    def failing_save_params(path, params, cfg):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "save_params", failing_save_params)
@@ -541,7 +541,7 @@ def test_converted_directory_layout(tmp_path, tiny_hf, tiny_hf_4x, layout):
     # in the source, and the layout marker that says so.
     assert checkpoint.has_current_layout(out)
     params = checkpoint.load_params(out, source_config, "float32")
-    flat = {k: np.asarray(v) for k, v in registry.params_to_flat(params).items()}
+    flat = {k: np.asarray(v) for k, v in registry.params_to_flat(params, source_config).items()}
     assert {k: v.shape for k, v in flat.items()} == registry.param_shapes(source_config)
     hf = all_tensors(source)
     np.testing.assert_array_equal(flat["embed"], hf["model.embed_tokens.weight"])

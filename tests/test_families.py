@@ -127,7 +127,7 @@ def test_every_parameter_has_sharding_axes_and_hf_names(converted):
         assert len(family.param_axes[name]) == len(shape), name
     named = set(family.hf_top.values()) | set(family.hf_layer.values())
     assert set(shapes) <= named
-    flat = registry.params_to_flat(model.params)
+    flat = registry.params_to_flat(model.params, model.config)
     assert {k: tuple(v.shape) for k, v in flat.items()} == shapes
 
 

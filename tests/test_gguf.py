@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType
 
 import ksana_jax
 from checkpoints_tools import ConversionError, convert, read_source
+from ksana_jax.models import registry
 
 RNG = np.random.default_rng(4321)
 TOKENS = [int(t) for t in RNG.integers(3, TINY_VOCAB, 37)]  # spans three 16-token pages
@@ -225,12 +226,9 @@ def test_llama_f32_matches_transformers(tmp_path):
     assert cfg.bos_token_id == 1 and model.eos_token_ids == (2,)
     # F32 weights come back bit-exact, Q and K un-permuted to the Hugging Face row order.
     attn = hf.model.layers[1].self_attn
-    np.testing.assert_array_equal(
-        np.asarray(model.params["layers"][1]["wq"]), attn.q_proj.weight.detach()
-    )
-    np.testing.assert_array_equal(
-        np.asarray(model.params["layers"][1]["wk"]), attn.k_proj.weight.detach()
-    )
+    flat = registry.params_to_flat(model.params, model.config)
+    np.testing.assert_array_equal(np.asarray(flat["layers.wq"][1]), attn.q_proj.weight.detach())
+    np.testing.assert_array_equal(np.asarray(flat["layers.wk"][1]), attn.k_proj.weight.detach())
 
     want = hf_logits(hf, TOKENS)
     np.testing.assert_allclose(model.logits(TOKENS), want, atol=1e-4, rtol=0)
@@ -296,12 +294,9 @@ def test_qwen2_matches_transformers(tmp_path):
     assert model.config.model_type == "qwen2" and model.config.qkv_bias
     # No Q/K permutation for qwen2: the weights come back as written.
     attn = hf.model.layers[2].self_attn
-    np.testing.assert_array_equal(
-        np.asarray(model.params["layers"][2]["wq"]), attn.q_proj.weight.detach()
-    )
-    np.testing.assert_array_equal(
-        np.asarray(model.params["layers"][2]["bk"]), attn.k_proj.bias.detach()
-    )
+    flat = registry.params_to_flat(model.params, model.config)
+    np.testing.assert_array_equal(np.asarray(flat["layers.wq"][2]), attn.q_proj.weight.detach())
+    np.testing.assert_array_equal(np.asarray(flat["layers.bk"][2]), attn.k_proj.bias.detach())
     np.testing.assert_allclose(model.logits(TOKENS), hf_logits(hf, TOKENS), atol=1e-4, rtol=0)
 
     ids = model.tokenizer.encode("<|im_start|>ab abc")

@@ -191,24 +191,24 @@ def test_one_call_for_several_weights_equals_the_reference_for_each(fmt):
                     np.testing.assert_allclose(y, want, atol=2e-6 * scale * np.sqrt(inp), rtol=0)
 
 
-def test_layers_linears_is_one_call_for_one_kind_only():
-    """`layers.linears` lowers to ONE custom call for weights of one kind at few rows, to one
-    per weight for mixed kinds (bfloat16 beside int8), and to none past MAX_ROWS or with
-    KSANA_JAX_CPU_LINEAR=0 (`ENABLED`); every result equals `layers.linear`'s."""
+def test_layers_linear_is_one_call_at_few_rows_only():
+    """`layers.linear` lowers to ONE custom call for a fused q/k/v weight at few rows, to none
+    past MAX_ROWS or with KSANA_JAX_CPU_LINEAR=0 (`ENABLED`), and its result is the same each
+    way; `linear_cpu.linears` refuses weights of mixed kinds (bfloat16 beside int8)."""
     rng = np.random.default_rng(4)
-    same = [weight(rng, "bfloat16", out, 64) for out in (64, 16, 16)]
-    mixed = [weight(rng, "bfloat16", 64, 64), weight(rng, "int8_bf16", 16, 64)]
+    w = weight(rng, "bfloat16", 96, 64)
     past = linear_cpu.MAX_ROWS["bfloat16"] + 1
-    for weights, rows, calls in ((same, 1, 1), (same, past, 0), (mixed, 1, 2)):
+    for rows, calls in ((1, 1), (past, 0)):
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
-        hlo = jax.jit(layers.linears).lower(x, *weights).as_text()
+        hlo = jax.jit(layers.linear).lower(x, w).as_text()
         assert hlo.count(f"@{linear_cpu.TARGET}(") == calls, (rows, calls)
-        for y, w in zip(jax.jit(layers.linears)(x, *weights), weights, strict=True):
-            np.testing.assert_allclose(y, jax.jit(layers.linear)(x, w), atol=1e-5)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(linear_cpu, "ENABLED", False)
-        hlo = jax.jit(lambda x, *ws: layers.linears(x, *ws)).lower(x, *same).as_text()
-        assert f"@{linear_cpu.TARGET}(" not in hlo
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(linear_cpu, "ENABLED", False)
+            off = jax.jit(lambda x, w: layers.linear(x, w))  # traced anew
+            assert f"@{linear_cpu.TARGET}(" not in off.lower(x, w).as_text()
+            want = off(x, w)
+        np.testing.assert_allclose(jax.jit(layers.linear)(x, w), want, atol=1e-5)
+    mixed = [weight(rng, "bfloat16", 64, 64), weight(rng, "int8_bf16", 16, 64)]
     with pytest.raises(ValueError, match="one kind"):
         linear_cpu.linears(jnp.zeros((1, 64)), *mixed)
 

@@ -140,5 +140,5 @@ def test_quantized_matrices_stack_and_split_as_layers():
     np.testing.assert_array_equal(
         quant.dequantize(params["layers"][1]["wq"]), quant.dequantize(quant.quantize(w[1], "int4"))
     )
-    again = registry.params_to_flat(params)["layers.wq"]
+    again = registry.params_to_flat(params, cfg)["layers.wq"]
     np.testing.assert_array_equal(again.packed, flat["layers.wq"].packed)

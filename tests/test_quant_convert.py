@@ -17,6 +17,7 @@ import ksana_jax
 from checkpoints_tools import convert
 from checkpoints_tools.gguf_source import blocks
 from ksana_jax import checkpoint, quant
+from ksana_jax.models import registry
 
 RNG = np.random.default_rng(7)
 TOKENS = [int(t) for t in RNG.integers(3, TINY_VOCAB, 40)]
@@ -77,8 +78,9 @@ def test_smollm2_gguf_int4_keeps_its_blocks_and_its_logits(smollm2_gguf, smollm2
     model = ksana_jax.load(out)
     reference = ksana_jax.load(smollm2_dir)
     # Same values: the dequantized blocks are the float32 conversion's weights, bit for bit.
-    got = quant.dequantize(model.params["layers"][3]["wq"])
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(reference.params["layers"][3]["wq"]))
+    got = quant.dequantize(registry.params_to_flat(model.params, model.config)["layers.wq"])
+    want = registry.params_to_flat(reference.params, reference.config)["layers.wq"]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     prompt = model.tokenizer.encode("The capital of France is Paris, and the capital of")
     np.testing.assert_allclose(model.logits(prompt), reference.logits(prompt), rtol=0, atol=2e-3)
 
@@ -109,7 +111,7 @@ def test_gguf_blocks_kept_or_requantized(tmp_path, qtype, fmt, kept):
         assert source.requantized["blk.0.attn_q.weight"] == qtype
         assert set(source.requantized.values()) == {qtype}
     want = quant.Int8Matrix if qtype == "Q8_0" or (not kept and fmt == "int8") else quant.Int4Matrix
-    assert isinstance(source.params["layers"][0]["wq"], want)
+    assert isinstance(registry.params_to_flat(source.params, source.config)["layers.wq"], want)
 
 
 def test_cli_convert_quantization_flag(tiny_dir, tmp_path):

@@ -163,7 +163,7 @@ def test_tensor_parallel_int4_equals_one_device(tiny_dir, tmp_path):
 def test_with_dtype_changes_the_matmul_dtype_not_the_packed_values(tiny_dir):
     model = ksana_jax.load(tiny_dir, quantization="int4")
     bf16 = model.with_dtype("bfloat16")
-    wq, wq16 = model.params["layers"][0]["wq"], bf16.params["layers"][0]["wq"]
+    wq, wq16 = model.params["layers"][0]["wqkv"], bf16.params["layers"][0]["wqkv"]
     assert bf16.dtype == "bfloat16" and wq16.dtype == "bfloat16"
     np.testing.assert_array_equal(np.asarray(wq16.packed), np.asarray(wq.packed))
     assert bf16.params["final_norm"].dtype == jax.numpy.bfloat16

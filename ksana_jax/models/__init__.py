@@ -3,6 +3,8 @@
 registry.py    the `Family` record, the registry (HF model_type / GGUF architecture ->
                family) and the family-agnostic face everyone else uses: config readers,
                param shapes and axes, params <-> flat names, forward, logits
+fusion.py      q/k/v and gate/up fused into one matrix each at load (and split again for
+               the checkpoint), and the model's split of their products
 layers.py      shared blocks: RMSNorm (incl. Gemma's 1 + w), rotary (per-layer bases, rope
                scaling, GGUF rope factors), gated MLP (SiLU / tanh-GELU), soft-cap, the
                per-layer AttentionSpec and the paged-attention call

@@ -281,7 +281,7 @@ def forward(
         attn, kv = llama.attention_block(cfg, inputs, kv, hidden, i, layer, backend, 1.0)
         x = x + rms_norm(attn, layer["post_attn_norm"], eps, 1.0)
         hidden = rms_norm(x, layer["mlp_norm"], eps, 1.0)
-        mlp = gated_mlp(hidden, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.hidden_act)
+        mlp = gated_mlp(hidden, layer, cfg.hidden_act)
         x = x + rms_norm(mlp, layer["post_mlp_norm"], eps, 1.0)
     return rms_norm(x, params["final_norm"], eps, 1.0), kv
 

@@ -17,6 +17,7 @@ import numpy as np
 from ksana_jax import pallas_kernels, quant
 from ksana_jax.config import ModelConfig
 from ksana_jax.kv_cache import KVCache, to_kv_dtype
+from ksana_jax.models import fusion
 from ksana_jax.pallas_kernels import linear_cpu, quant_matmul
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.step_inputs import StepInputs
@@ -61,20 +62,6 @@ def linear(
     contract = (((x.ndim - 1,), (1,)), ((), ()))
     y = jax.lax.dot_general(x.astype(w.dtype), w, contract, preferred_element_type=jnp.float32)
     return y if b is None else y + b.astype(jnp.float32)
-
-
-def linears(x: jax.Array, *weights: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, ...]:
-    """x f32[T, I] times several weights w_i [O_i, I] that share it (q/k/v, gate/up) ->
-    (f32[T, O_i], ...), each as `linear(x, w_i)` gives it.
-
-    On CPU at decode's few rows, weights of one kind (format and product dtype) go through
-    linear_cpu.py as ONE kernel call that streams all of them (one XLA thunk, its work
-    spread over their rows together); `linear_cpu.takes_together` decides at trace time.
-    Otherwise (mixed kinds included) each weight is its own `linear`.
-    """
-    if linear_cpu.takes_together(x, weights):
-        return linear_cpu.linears(x, *weights)
-    return tuple(linear(x, w) for w in weights)
 
 
 def embed_rows(table: jax.Array | quant.QuantizedMatrix, token_ids: jax.Array) -> jax.Array:
@@ -138,19 +125,32 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
-def gated_mlp(
-    x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, act: str = "silu"
-) -> jax.Array:
+def qkv_projection(
+    cfg: ModelConfig, layer: dict, x: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Normed x f32[T, D] -> q f32[T, N, H], k f32[T, K, H], v f32[T, K, H] (biases added):
+    one product with the layer's fused `wqkv` (fusion.py), or three with wq / wk / wv where
+    the checkpoint's parts could not be fused."""
+    if "wqkv" in layer:
+        return fusion.split_qkv(linear(x, layer["wqkv"], layer.get("bqkv")), cfg)
+    t, h = x.shape[0], cfg.head_dim
+    return tuple(
+        linear(x, layer[w], layer.get(b)).reshape(t, -1, h)
+        for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
+    )
+
+
+def gated_mlp(x: jax.Array, mlp: dict, act: str = "silu") -> jax.Array:
     """down(act(gate(x)) * up(x)): x f32[T, D] -> f32[T, D]; act "silu" (SwiGLU) or
-    "gelu_pytorch_tanh" (GeGLU with the tanh approximation, Gemma)."""
-    gate, up = linears(x, w_gate, w_up)
+    "gelu_pytorch_tanh" (GeGLU with the tanh approximation, Gemma). `mlp` holds w_down and
+    either the fused w_gate_up (fusion.py: a dense layer's) or w_gate and w_up (an
+    expert's, or parts that could not be fused)."""
+    if "w_gate_up" in mlp:
+        gate, up = fusion.split_gate_up(linear(x, mlp["w_gate_up"]))
+    else:
+        gate, up = linear(x, mlp["w_gate"]), linear(x, mlp["w_up"])
     gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return linear(gate * up, w_down)
-
-
-def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """down(silu(gate(x)) * up(x)): x f32[T, D] -> f32[T, D]."""
-    return gated_mlp(x, w_gate, w_up, w_down, "silu")
+    return linear(gate * up, mlp["w_down"])
 
 
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:

@@ -43,8 +43,8 @@ from ksana_jax.models.layers import (
     apply_rope,
     embed_rows,
     linear,
-    linears,
     paged_attention,
+    qkv_projection,
     rms_norm,
     rope_inv_freq,
 )
@@ -111,6 +111,10 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "layers.w_gate": ("layers", "mlp", "embed"),
     "layers.w_up": ("layers", "mlp", "embed"),
     "layers.w_down": ("layers", "embed", "mlp"),
+    # fused at run time (fusion.py), split as their parts: wqkv by whole KV-head groups
+    "layers.wqkv": ("layers", "kv_heads", "embed"),
+    "layers.bqkv": ("layers", "kv_heads"),
+    "layers.w_gate_up": ("layers", "mlp", "embed"),
 }
 
 # HF tensor name -> flat name. Matrices keep HF's (out, in) layout.
@@ -271,14 +275,8 @@ def attention_block(
     the attention output projected back f32[T, D], and kv with this layer's K/V written.
     `norm_offset` is the q/k norms' (1.0 for Gemma's (1 + w) norms)."""
     num_tokens = x.shape[0]
-    n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    projected = linears(x, layer["wq"], layer["wk"], layer["wv"])
-    q, k_new, v_new = (
-        y if layer.get(b) is None else y + layer[b].astype(jnp.float32)
-        for y, b in zip(projected, ("bq", "bk", "bv"), strict=True)
-    )
-    q = q.reshape(num_tokens, n, h)
-    k_new, v_new = k_new.reshape(num_tokens, k, h), v_new.reshape(num_tokens, k, h)
+    n, h = cfg.num_attention_heads, cfg.head_dim
+    q, k_new, v_new = qkv_projection(cfg, layer, x)
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, norm_offset)
         k_new = rms_norm(k_new, layer["k_norm"], cfg.rms_norm_eps, norm_offset)

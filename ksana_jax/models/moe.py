@@ -132,7 +132,7 @@ def feed_forward(cfg: ModelConfig, layer_index: int, layer: dict, x: jax.Array) 
     mixture of experts, as `cfg.mlp_types` says."""
     if cfg.mlp_types[layer_index] == MOE_MLP:
         return moe_mlp(cfg, layer, x)
-    return gated_mlp(x, layer["w_gate"], layer["w_up"], layer["w_down"], cfg.hidden_act)
+    return gated_mlp(x, layer, cfg.hidden_act)
 
 
 def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -276,7 +276,8 @@ def _blocked_ffn(x, token_of, row_weights, key, sizes, w_gate, w_up, w_down) -> 
         row_w = jax.lax.dynamic_slice_in_dim(padded_weight, b * block, block)
         expert = block_expert[b]
         rows = x[tokens]  # [B, D]
-        hidden = gated_mlp(rows, w_gate[expert], w_up[expert], w_down[expert])
+        mlp = dict(w_gate=w_gate[expert], w_up=w_up[expert], w_down=w_down[expert])
+        hidden = gated_mlp(rows, mlp)
         out = out.at[tokens].add(hidden * row_w[:, None])
         # The experts ride in the loop state behind a barrier, so XLA cannot hoist work on
         # them out of the loop: XLA:CPU computes a bfloat16 dynamic index in float32, and
@@ -331,6 +332,10 @@ def reference_moe(
     dense = jnp.zeros((x.shape[0], w_gate.shape[0]), jnp.float32)
     dense = dense.at[jnp.arange(x.shape[0])[:, None], ids].set(weights)  # [T, E]
     outs = jnp.stack(
-        [gated_mlp(x, w_gate[e], w_up[e], w_down[e]) for e in range(w_gate.shape[0])], axis=1
+        [
+            gated_mlp(x, dict(w_gate=w_gate[e], w_up=w_up[e], w_down=w_down[e]))
+            for e in range(w_gate.shape[0])
+        ],
+        axis=1,
     )
     return jnp.einsum("te,ted->td", dense, outs)

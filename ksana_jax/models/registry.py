@@ -10,12 +10,15 @@ family.
 Params are a plain pytree of named arrays, the same shape for every family:
 
     {"embed": [V, D], "final_norm": [D], "lm_head": [V, D] (untied only), ...,
-     "layers": ({"wq": [N*H, D], ...}, ...)}         one dict per layer (see llama.py for why)
+     "layers": ({"wqkv": [(N+2K)*H, D], ...}, ...)}  one dict per layer (see llama.py for why)
 
 Flat names ("embed", "layers.wq") key the checkpoint (layers stacked on a first L axis), the
-family's parameter shapes, HF name maps and sharding axes. A parameter that only some layers
-have (an MoE model's experts, or the dense MLP of its dense layers) is stacked over those
-layers only (`Family.param_layers`); each layer's dict then holds the names it has.
+family's parameter shapes, HF name maps and sharding axes. The pytree holds q/k/v and
+gate/up fused (fusion.py: "layers.wqkv", "layers.w_gate_up"), which the families' axes
+declare too; params_from_flat fuses and params_to_flat splits them. A parameter that only
+some layers have (an MoE model's experts, or the dense MLP of its dense layers) is stacked
+over those layers only (`Family.param_layers`); each layer's dict then holds the names it
+has.
 
 HF names of an MoE layer's experts carry the expert index ("mlp.experts.3.gate_proj.weight");
 the name maps write it as "*" ("mlp.experts.*.gate_proj.weight") and the converter stacks the
@@ -37,6 +40,7 @@ import numpy as np
 
 from ksana_jax.config import ModelConfig
 from ksana_jax.kv_cache import KVCache
+from ksana_jax.models import fusion
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.step_inputs import StepInputs
 
@@ -210,12 +214,15 @@ def param_axes(cfg: ModelConfig) -> Mapping[str, tuple[str | None, ...]]:
 
 
 def param_layers(cfg: ModelConfig, name: str) -> tuple[int, ...]:
-    """The layers holding flat parameter `name` ("layers.*"), in its stacked order."""
-    return family_of(cfg.model_type).param_layers(cfg, name)
+    """The layers holding flat parameter `name` ("layers.*", fused ones included), in its
+    stacked order."""
+    return family_of(cfg.model_type).param_layers(cfg, fusion.PART_OF.get(name, name))
 
 
 def params_from_flat(flat: Mapping[str, Any], cfg: ModelConfig) -> Params:
-    """The params pytree from flat names, splitting layer-stacked arrays per layer."""
+    """The params pytree from flat names (the checkpoint's), with q/k/v and gate/up fused
+    (fusion.py) and layer-stacked arrays split per layer."""
+    flat = fusion.fuse(flat, cfg)
     params: Params = {k: v for k, v in flat.items() if not k.startswith(LAYER_PREFIX)}
     layers: list[LayerParams] = [{} for _ in range(cfg.num_hidden_layers)]
     for name, value in flat.items():
@@ -231,15 +238,16 @@ def _layer(value: Any, i: int) -> Any:
     return jax.tree.map(lambda a: a[i], value)
 
 
-def params_to_flat(params: Params) -> dict[str, Any]:
-    """Inverse of params_from_flat (each layer parameter stacked over the layers holding it)."""
+def params_to_flat(params: Params, cfg: ModelConfig) -> dict[str, Any]:
+    """Inverse of params_from_flat: the checkpoint's flat names, each layer parameter stacked
+    over the layers holding it and fused ones split into their parts."""
     flat = {k: v for k, v in params.items() if k != "layers"}
     layers = params["layers"]
     names = dict.fromkeys(name for layer in layers for name in layer)
     for name in names:
         parts = [layer[name] for layer in layers if name in layer]
         flat[LAYER_PREFIX + name] = jax.tree.map(_stack, *parts)
-    return flat
+    return fusion.unfuse(flat, cfg)
 
 
 def _stack(*arrays: Any) -> Any:

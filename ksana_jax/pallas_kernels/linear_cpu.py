@@ -1,8 +1,9 @@
 """Small-batch linear layers for CPUs: y f32[R, O] = x f32[R, I] . w[O, I]^T as a C++ XLA
 FFI custom call, linear_cpu.cc, for float32, bfloat16, int8 and int4 weights (quant.py's
 Int8Matrix / Int4Matrix, read as their packed bytes: no dequantized copy). One call takes
-one weight (`linear`) or several that share x (`linears`: q/k/v, gate/up), streamed as one
-product: one XLA thunk, its work items spread over all of the weights' rows.
+one weight (`linear`) or several that share x (`linears`), streamed as one product: one XLA
+thunk, its work items spread over all of the weights' rows. The models call `linear` only:
+q/k/v and gate/up are fused into one matrix each at load (models/fusion.py).
 
 At decode's few rows a product is bound by the weight bytes, and XLA:CPU streams them far
 below the machine's bandwidth; the kernel has every core stream its own weight rows once,
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -192,12 +192,6 @@ def kind(w: jax.Array | quant.QuantizedMatrix) -> tuple[str, str]:
     """The weight's storage format and product dtype: weights of one `linears` call share it."""
     fmt = w.format if quant.is_quantized(w) else jnp.dtype(w.dtype).name
     return fmt, jnp.dtype(w.dtype).name
-
-
-def takes_together(x: jax.Array, weights: Sequence[jax.Array | quant.QuantizedMatrix]) -> bool:
-    """Whether `layers.linears` runs x times every one of `weights` as one kernel call: the
-    kernel takes each (`takes`) and they are of one `kind`."""
-    return all(takes(x, w) for w in weights) and len({kind(w) for w in weights}) == 1
 
 
 def linears(x: jax.Array, *weights: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, ...]:
