@@ -3,9 +3,10 @@
 MergedColumnParallelLinear.
 
 Why: one product instead of two or three, and fewer arrays for every step to pass. At batch
-1 on a small host the jitted step's call costs ~4.5 us of host time per parameter array
-(PjRt's argument checks; FACTS / session-18 note), on the same cores as the matmuls:
-SmolLM2 in int4 passes 694 arrays a step unfused, 424 fused.
+1 on a small host the jitted step's call costs host time per parameter array (PjRt's
+argument checks, 2.5-4.5 us each on the 2-core test machine; benchmarks/cpu_step_profile.py
+prints it), on the same cores as the matmuls: SmolLM2 in int4 passes 694 arrays a step
+unfused and 424 fused, in bfloat16 272 and 182.
 
 The checkpoint keeps the separate matrices (HF's and GGUF's names, stacked on L);
 `registry.params_from_flat` fuses, `registry.params_to_flat` splits again, so the fused
@@ -140,7 +141,7 @@ def fuse(flat: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Any]:
     """Flat params (checkpoint names, layers stacked) with each fusion's parts replaced by the
     fused parameter. Parts that are absent (no biases) or cannot be fused (`_fused`) stay as
     they are, and so do the biases of weights that stay apart; the model reads either
-    (models/layers.py: qkv_projection, gate_up_projection)."""
+    (models/layers.py: qkv_projection, gated_mlp)."""
     out = dict(flat)
     for f in FUSIONS:
         if not all(p in out for p in f.parts) or (f.after and f.after not in out):
@@ -153,7 +154,8 @@ def fuse(flat: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Any]:
 
 
 def unfuse(flat: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-    """Inverse of `fuse`: flat params with the checkpoint's separate parts."""
+    """Inverse of `fuse`: flat params with the checkpoint's separate parts (int8 parts whose
+    scales `fuse` regrouped keep the float32 per-group scales: the same values)."""
     out = dict(flat)
     for f in FUSIONS:
         if f.name not in out:
