@@ -11,16 +11,22 @@ measures the neighbours). Read ratios, not absolute numbers, and repeat.
     python benchmarks/linear_cpu.py [--dtypes bfloat16,int8,int4,float32] [--rows 1,2,4,8,16]
         [--shapes 576x576,1536x576,576x1536,4608x576,49152x576,smollm2] [--repeats 7]
 
-`smollm2` is one decode step's products in sequence (211 weights, the LM head last).
+`smollm2` is one decode step's products in sequence (121 weights: per layer the fused q/k/v,
+o, the fused gate/up and down; the LM head last).
 
-    python benchmarks/linear_cpu.py --fused [--dtypes bfloat16,int8,int4] [--repeats 7]
+    python benchmarks/linear_cpu.py --layers [--dtypes bfloat16,int8,int4] [--repeats 7]
 
-times one SmolLM2 decode step's products (1 row) with one kernel call per weight against one
-call per shared input (`linear_cpu.linears`: q/k/v, gate/up; 151 calls instead of 211),
-each with the calls' threading threshold PARALLEL_BYTES at its default, 1 MiB and 0 (always
-the pool), and "input-act": one call per input with gate + up in place of silu(gate) * up
-(what a kernel writing the gated activation itself could save, at most); the variants run
-interleaved, each one's best counts.
+times one SmolLM2 decode step's layers (1 row) as the model runs them around the kernel's
+calls (norms, residual adds, the activation as XLA ops) with the calls' threading threshold
+PARALLEL_BYTES at its default, 1 MiB and 0 (always the pool), and "no-act": gate + up in
+place of silu(gate) * up (what a kernel writing the gated activation itself could save, at
+most); the variants run interleaved, each one's best counts.
+
+2026-12-04 (this 2-core Zen 3): the RMS norms and residual adds moved into the kernel's calls
+(~14 XLA thunks a layer down to ~5; 715 -> 420 a step) were no faster here (bfloat16 12.2
+against 12.5 ms a step, int4 6.45 against 6.42) nor in the engine's tokens/s, so the kernel
+takes the product alone: XLA:CPU's small elementwise thunks cost ~nothing at decode's one
+row, whatever a profiler's per-thunk events suggest.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ksana_jax import quant
+from ksana_jax.models.layers import rms_norm
 from ksana_jax.pallas_kernels import linear_cpu
 
 
@@ -70,13 +77,14 @@ def make_weight(rng: np.random.Generator, dtype: str, out: int, inp: int):
 
 def xla_linear(x, w):
     """The jnp product layers.linear ran before the kernel (with its one-row padding)."""
+    rows = x.shape[0]
     if quant.is_quantized(w):
         w = quant.dequantize(quant.after(w, x))
-    if x.shape[0] == 1 and w.dtype != jnp.float32:
+    if rows == 1 and w.dtype != jnp.float32:
         x = jnp.pad(x, ((0, 1), (0, 0)))
     contract = (((1,), (1,)), ((), ()))
     y = jax.lax.dot_general(x.astype(w.dtype), w, contract, preferred_element_type=jnp.float32)
-    return y
+    return y[:rows]
 
 
 def chain(product):
@@ -96,15 +104,8 @@ def chain(product):
 
 # SmolLM2-135M's products in one decode step: 30 layers of q, k, v, o, gate, up, down, then
 # the tied LM head.
-SMOLLM2_STEP = [
-    (576, 576),
-    (192, 576),
-    (192, 576),
-    (576, 576),
-    (1536, 576),
-    (1536, 576),
-    (576, 1536),
-] * 30 + [(49152, 576)]
+SMOLLM2_LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # wqkv, wo, w_gate_up, w_down
+SMOLLM2_STEP = SMOLLM2_LAYER * 30 + [(49152, 576)]
 
 
 def step_table(rng, dtype: str, rows_list, repeats: int, bandwidth: float) -> None:
@@ -124,39 +125,51 @@ def step_table(rng, dtype: str, rows_list, repeats: int, bandwidth: float) -> No
         )
 
 
-def decode_products(fused: bool, activation: bool = True):
-    """One decode step's products as the model runs them: per layer q/k/v, o, gate/up, the
-    activation, down, the residual; then the LM head. `fused`: linear_cpu.linears's one call
-    per shared input, else one call per weight. Without `activation` down takes gate + up (one
-    elementwise op fewer: the most a kernel writing silu(gate) * up itself could save)."""
-
-    def several(x, *weights):
-        return (
-            linear_cpu.linears(x, *weights) if fused else [linear_cpu.linear(x, w) for w in weights]
-        )
+def decode_products(activation: bool = True, linear=linear_cpu.linear):
+    """One decode step's layers as the model runs them: the input norm and q/k/v, o and the
+    residual add, the MLP norm and gate/up, the activation, down and the residual add; then
+    the LM head; the products by `linear` (the kernel's). Without `activation` down takes
+    gate + up (one elementwise op fewer: the most a kernel writing silu(gate) * up itself
+    could save)."""
 
     @jax.jit
     def run(x, layers, head):
-        for wq, wk, wv, wo, w_gate, w_up, w_down in layers:
-            q, k, v = several(x, wq, wk, wv)
-            x = x + linear_cpu.linear(q + jnp.tile(k + v, (1, 3)), wo)
-            gate, up = several(x, w_gate, w_up)
-            hidden = jax.nn.silu(gate) * up if activation else gate + up
-            x = x + linear_cpu.linear(hidden, w_down)
-        return linear_cpu.linear(x, head)
+        d = x.shape[1]
+        for attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down in layers:
+            qkv = linear(rms_norm(x, attn_norm, 1e-5), wqkv)
+            x = x + linear(qkv[:, :d] + qkv[:, -d:], wo)  # attention's stand-in
+            gate_up = linear(rms_norm(x, mlp_norm, 1e-5), w_gate_up)
+            gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+            x = x + linear(jax.nn.silu(gate) * up if activation else gate + up, w_down)
+        return linear(x, head)
 
     return run
 
 
-def fused_table(rng, dtypes, repeats: int, bandwidth: float) -> None:
-    """Per-weight calls vs one call per shared input, by threading threshold (1 row)."""
+def decode_layers(rng, dtype: str, shapes, count: int) -> tuple:
+    """`count` layers of `decode_products`: norms and weights of shapes (wqkv, wo, w_gate_up,
+    w_down)."""
+    d = shapes[1][0]
+    return tuple(
+        (
+            jnp.asarray(1 + rng.standard_normal(d) / 10, jnp.float32),
+            make_weight(rng, dtype, *shapes[0]),
+            make_weight(rng, dtype, *shapes[1]),
+            jnp.asarray(1 + rng.standard_normal(d) / 10, jnp.float32),
+            make_weight(rng, dtype, *shapes[2]),
+            make_weight(rng, dtype, *shapes[3]),
+        )
+        for _ in range(count)
+    )
+
+
+def layers_table(rng, dtypes, repeats: int, bandwidth: float) -> None:
+    """A decode step's layers by threading threshold (1 row)."""
     default = linear_cpu.PARALLEL_BYTES
     thresholds = {f"{default >> 10}KiB": default, "1MiB": 1 << 20, "0": 0}
-    print(f"{'dtype':>8} {'calls':>10} {'parallel':>9} {'step us':>9} {'GB/s':>6} {'% bw':>5}")
+    print(f"{'dtype':>8} {'variant':>8} {'parallel':>9} {'step us':>9} {'GB/s':>6} {'% bw':>5}")
     for dtype in dtypes:
-        layers = tuple(
-            tuple(make_weight(rng, dtype, o, i) for o, i in SMOLLM2_STEP[:7]) for _ in range(30)
-        )
+        layers = decode_layers(rng, dtype, SMOLLM2_LAYER, 30)
         head = make_weight(rng, dtype, *SMOLLM2_STEP[-1])
         nbytes = sum(quant.nbytes(w) for w in jax.tree.leaves(layers, is_leaf=quant.is_quantized))
         nbytes += quant.nbytes(head)
@@ -164,21 +177,20 @@ def fused_table(rng, dtypes, repeats: int, bandwidth: float) -> None:
         variants = {}
         for name, threshold in thresholds.items():
             linear_cpu.PARALLEL_BYTES = threshold  # read at trace time
-            for fused in (False, True):
-                fn = decode_products(fused)
-                jax.block_until_ready(fn(x, layers, head))
-                variants[("one/input" if fused else "one/weight", name)] = fn
+            fn = decode_products()
+            jax.block_until_ready(fn(x, layers, head))
+            variants[("model", name)] = fn
         linear_cpu.PARALLEL_BYTES = default
-        variants[("input-act", f"{default >> 10}KiB")] = decode_products(True, activation=False)
+        variants[("no-act", f"{default >> 10}KiB")] = decode_products(activation=False)
         best = dict.fromkeys(variants, float("inf"))
         for _ in range(repeats):  # interleaved: a busy spell hits every variant
             for key, fn in variants.items():
                 start = time.perf_counter()
                 jax.block_until_ready(fn(x, layers, head))
                 best[key] = min(best[key], time.perf_counter() - start)
-        for (calls, name), t in best.items():
+        for (variant, name), t in best.items():
             print(
-                f"{dtype:>8} {calls:>10} {name:>9} {t * 1e6:>9.0f} {nbytes / t / 1e9:>6.1f} "
+                f"{dtype:>8} {variant:>8} {name:>9} {t * 1e6:>9.0f} {nbytes / t / 1e9:>6.1f} "
                 f"{100 * nbytes / t / bandwidth:>4.0f}%",
                 flush=True,
             )
@@ -200,15 +212,15 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--shapes", default="576x576,1536x576,576x1536,4608x576,49152x576,smollm2")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--fused", action="store_true", help="the fused-calls table only")
+    p.add_argument("--layers", action="store_true", help="the decode-layers table only")
     args = p.parse_args()
     if not linear_cpu.available():
         raise SystemExit("the cpu linear kernel does not build here (no C++ compiler?)")
     bandwidth = all_core_read_bandwidth()
     print(f"all-core read bandwidth: {bandwidth / 1e9:.1f} GB/s ({os.cpu_count()} threads)")
-    if args.fused:
+    if args.layers:
         dtypes = args.dtypes.replace(",float32", "").split(",")
-        fused_table(np.random.default_rng(0), dtypes, args.repeats, bandwidth)
+        layers_table(np.random.default_rng(0), dtypes, args.repeats, bandwidth)
         return
     print(
         f"{'dtype':>8} {'O x I':>11} {'R':>3} {'kernel us':>10} {'GB/s':>6} {'% bw':>5} "

@@ -1,5 +1,5 @@
 // Small-batch linear layers for CPUs, an XLA FFI custom call:
-//     y_i f32[R, O_i] = x f32[R, I] . W_i[O_i, I]^T   for one or several weights W_i
+//     y f32[R, O] = x f32[R, I] . W[O, I]^T
 // for W in float32, bfloat16, int8 (w = values * scales, one scale per output row or per
 // group of I / G columns) or int4 (w = q * scale + min per group of 32, GGUF Q4_1 packing:
 // byte j of a group holds element j in its low nibble and element j + 16 in its high one).
@@ -14,20 +14,18 @@
 // bfloat16 (vdpbf16ps), float32 (FMA), int8 and int4 in a bfloat16 product at any rows by
 // integer dots where the CPU has AVX512-VNNI (x as 8-bit integers per group of 32 columns
 // against int8's bytes plus 128, tile_dot_int8_vnni, or int4's 4-bit values, the scales and
-// minimums applied per group after the dot, tile_dot_int4_vnni), and int8 / int4 otherwise at up to kRowTile rows -- multiply the
-// block's rows straight from memory (dequantized in registers), prefetching the bytes after
-// the block in address order (Ahead). A CPU with AVX2 but not AVX512-BF16 has its own direct
-// paths for bfloat16, for int8 / int4 by integer dots and, without them, for int8 / int4
-// dequantized in registers at up to kRowTile rows (linear_cpu_avx2.h). Otherwise
-// (more rows without integer dots, or neither) each block goes kChunk columns at a time:
+// minimums applied per group after the dot, tile_dot_int4_vnni), and int8 / int4 otherwise
+// at up to kRowTile rows -- multiply the block's rows straight from memory (dequantized in
+// registers), prefetching the bytes after the block in address order (Ahead). A CPU with
+// AVX2 but not AVX512-BF16 has its own direct paths for bfloat16, for int8 / int4 by
+// integer dots and, without them, for int8 / int4 dequantized in registers at up to
+// kRowTile rows (linear_cpu_avx2.h). Otherwise (more rows without integer dots, or neither)
+// each block goes kChunk columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
 //            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;
 //   phase 2  for every kRowTile of x's rows (read from L1 / L2), a register tile of
 //            kRowTile x kOutBlock float32 vector accumulators, summed across lanes at the
 //            end of the chunk.
-// Several weights that share x (q/k/v, gate/up) go in one call, one XLA thunk: their rows
-// form one list of work items, and "a large W" is their bytes together
-// reaching the call's attribute parallel_bytes (linear_cpu.PARALLEL_BYTES).
 
 #include <algorithm>
 #include <cstdint>
@@ -226,6 +224,12 @@ inline bool direct(const Problem& pb) {
   }
 }
 
+// Results [o, o + block) of every row from the block's sums.
+inline void store_block(const Problem& pb, int64_t o, int64_t block, const float* acc) {
+  for (int64_t r = 0; r < pb.rows; ++r)
+    for (int64_t j = 0; j < block; ++j) pb.y[r * pb.out + o + j] = acc[r * kOutBlock + j];
+}
+
 // One work item: weight rows [o_begin, o_end).
 void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
   alignas(64) static thread_local float w[kOutBlock * kChunk];
@@ -239,8 +243,7 @@ void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
       if (pb.kind == Kind::kBF16) block_bf16(pb, o, block, acc.data());
       else if (pb.kind == Kind::kF32) block_f32(pb, o, block, acc.data());
       else block_quant(pb, o, block, acc.data());
-      for (int64_t r = 0; r < pb.rows; ++r)
-        for (int64_t j = 0; j < block; ++j) pb.y[r * pb.out + o + j] = acc[r * kOutBlock + j];
+      store_block(pb, o, block, acc.data());
       continue;
     }
     for (int64_t k0 = 0; k0 < pb.in; k0 += kChunk) {
@@ -255,57 +258,48 @@ void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
         tile_dot<1>(pb.x + r * pb.x_stride + k0, pb.x_stride, w, n_pad,
                     acc.data() + r * kOutBlock);
     }
-    for (int64_t r = 0; r < pb.rows; ++r)
-      for (int64_t j = 0; j < block; ++j) pb.y[r * pb.out + o + j] = acc[r * kOutBlock + j];
+    store_block(pb, o, block, acc.data());
   }
 }
 
-// A work item: weight rows [begin, end) of problem p (one weight of the call).
+// A work item: weight rows [begin, end).
 struct Item {
-  int64_t p, begin, end;
+  int64_t begin, end;
 };
 
-// The problems of one call (weights sharing x) stream as one: items over their concatenated
-// output rows, parallel (cpu_pool.h) when all their weight bytes together reach
+// The product's rows as work items, parallel (cpu_pool.h) when the weight's bytes reach
 // `parallel_bytes`.
-void run_items(ffi::ThreadPool& pool, const std::vector<Problem>& problems,
-               int64_t parallel_bytes) {
-  int64_t bytes = 0, out = 0;
-  for (const Problem& pb : problems) bytes += pb.weight_bytes, out += pb.out;
-  if (bytes < parallel_bytes) {  // the caller alone: no shared state to set up
-    for (const Problem& pb : problems) run_rows(pb, 0, pb.out);
+void run_items(ffi::ThreadPool& pool, const Problem& pb, int64_t parallel_bytes) {
+  if (pb.weight_bytes < parallel_bytes) {  // the caller alone: no shared state to set up
+    run_rows(pb, 0, pb.out);
     return;
   }
   const ksana_cpu_pool::SpinPool& spin_pool = ksana_cpu_pool::SpinPool::get();
   const int64_t workers = spin_pool.enabled() ? spin_pool.workers() : pool.num_threads() + 1;
-  // Guided: each item a 2 workers'th of the rows left (of all the call's weights), down to
-  // an 8 workers'th of them all, whole register tiles: few long streams while all are
-  // left, small ones at the end to even out the workers' finish -- a worker that joins late
-  // or loses its core a while (2026-12-03, 2 cores, async scheduling: the engine's thread
-  // takes one for a third of an int4 step, and the pool's thread joined 64% of the calls)
-  // takes what is left. Against 4 equal items a worker, one decode step's int4 layer
-  // products (2 threads, C++ alone) took 0.4-9% less time.
+  // Guided: each item a 2 workers'th of the rows left, down to an 8 workers'th of them all,
+  // whole register tiles: few long streams while all are left, small ones at the end to
+  // even out the workers' finish -- a worker that joins late or loses its core a while
+  // (2026-12-03, 2 cores, async scheduling: the engine's thread takes one for a third of an
+  // int4 step, and the pool's thread joined 64% of the calls) takes what is left. Against 4
+  // equal items a worker, one decode step's int4 layer products (2 threads, C++ alone) took
+  // 0.4-9% less time.
   auto whole = [](int64_t n) { return (n + kOutBlock - 1) / kOutBlock * kOutBlock; };
-  const int64_t least = std::max<int64_t>(kOutBlock, whole(out / (8 * workers)));
+  const int64_t least = std::max<int64_t>(kOutBlock, whole(pb.out / (8 * workers)));
   // Kept per thread (no allocation a call); the pool's threads see it by this reference (a
   // thread_local named in the lambda would be their own).
   static thread_local std::vector<Item> kept_items;
   std::vector<Item>& items = kept_items;
   items.clear();
-  int64_t left = out;
-  for (size_t p = 0; p < problems.size(); ++p)
-    for (int64_t o = 0; o < problems[p].out;) {
-      const int64_t rows = std::min(problems[p].out - o,
-                                    std::max(least, whole(left / (2 * workers))));
-      items.push_back({static_cast<int64_t>(p), o, o + rows});
-      o += rows, left -= rows;
-    }
+  for (int64_t o = 0; o < pb.out;) {
+    const int64_t rows =
+        std::min(pb.out - o, std::max(least, whole((pb.out - o) / (2 * workers))));
+    items.push_back({o, o + rows});
+    o += rows;
+  }
   // Spinning for the next call: the kernel serves decode's few rows, where the products
   // follow each other with only small single-threaded thunks between them.
   ksana_cpu_pool::run_on_pool(pool, static_cast<int64_t>(items.size()), /*spin=*/true,
-                              [&](int64_t i) {
-    run_rows(problems[items[i].p], items[i].begin, items[i].end);
-  });
+                              [&](int64_t i) { run_rows(pb, items[i].begin, items[i].end); });
 }
 
 
@@ -357,125 +351,87 @@ ffi::Error weight_problem(const ffi::AnyBuffer& w, const ffi::AnyBuffer& scales,
   return ffi::Error::Success();
 }
 
-// The prepared problem `x_ready` (x as the tiles read it, whatever fields that takes) with
-// the weight and result of `weight`: the fields weight_problem and Linears set per weight.
-Problem with_weight(const Problem& x_ready, const Problem& weight) {
-  Problem pb = x_ready;
-  pb.out = weight.out;
-  pb.weight_bytes = weight.weight_bytes;
-  pb.row_bytes = weight.row_bytes;
-  pb.w = weight.w;
-  pb.scales = weight.scales, pb.mins = weight.mins;
-  pb.scales_f16 = weight.scales_f16, pb.mins_f16 = weight.mins_f16;
-  pb.groups = weight.groups;
-  pb.vector_group = weight.vector_group;
-  pb.y = weight.y;
-  return pb;
-}
-
-// What a call allocates: its problems and x as the tiles read it.
+// What a call allocates, kept per thread: its problem, and x as the tiles read it.
 struct Scratch {
-  std::vector<Problem> problems;
-  std::vector<std::vector<int32_t>> vector_groups;
+  Problem problem;
+  std::vector<int32_t> vector_group;
   std::vector<float> padded, x_sum, x_scale, x8_lanes, x_offset;
   std::vector<uint16_t> x_bf16;
   std::vector<int8_t> x8;
 };
 
-// y_i f32[R, O_i] = x . W_i^T for every weight W_i of the call, streamed as one product.
-ffi::Error Linears(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
-                   ffi::RemainingRets ys, bool bf16, int64_t parallel_bytes) {
+// y f32[R, O] = x . W^T.
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                  ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y,
+                  bool bf16, int64_t parallel_bytes) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return ffi::Error::InvalidArgument("x must be a matrix");
-  if (ys.size() == 0 || weights.size() != 3 * ys.size())
-    return ffi::Error::InvalidArgument("each weight comes as (w, scales, mins), one result each");
-  // The call's scratch, kept per thread: a decode step makes ~150 calls of 10-100 us, and
-  // their allocations (and frees) were ~5% of its samples.
+  // The call's scratch, kept per thread: a decode step makes ~120 calls of 10-100 us, and
+  // their allocations (and frees) were ~5% of its samples. The problem lives there too, not
+  // on this stack: the pool's threads read it while this thread works beside it.
   static thread_local Scratch scratch;
-  std::vector<Problem>& problems = scratch.problems;
-  problems.assign(ys.size(), Problem{});
-  std::vector<std::vector<int32_t>>& vector_groups = scratch.vector_groups;
-  vector_groups.resize(std::max(vector_groups.size(), ys.size()));
-  for (size_t i = 0; i < ys.size(); ++i) {
-    auto w = weights.get<ffi::AnyBuffer>(3 * i);
-    auto scales = weights.get<ffi::AnyBuffer>(3 * i + 1);
-    auto mins = weights.get<ffi::AnyBuffer>(3 * i + 2);
-    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
-    if (w.has_error()) return w.error();
-    if (scales.has_error()) return scales.error();
-    if (mins.has_error()) return mins.error();
-    if (y.has_error()) return y.error();
-    Problem& pb = problems[i];
-    ffi::Error error = weight_problem(*w, *scales, *mins, x_dims[0], x_dims[1], bf16, pb);
-    if (error.failure()) return error;
-    if (pb.kind != problems[0].kind)  // x is prepared once, as the kind's tiles read it
-      return ffi::Error::InvalidArgument("the weights of one call must be of one kind");
-    const auto y_dims = (*y)->dimensions();
-    if (y_dims.size() != 2 || y_dims[0] != pb.rows || y_dims[1] != pb.out)
-      return ffi::Error::InvalidArgument("each result must be [R, O] of its weight");
-    pb.y = (*y)->typed_data();
-    if (pb.kind == Kind::kInt8) {
-      std::vector<int32_t>& vector_group = vector_groups[i];
-      vector_group.resize((pb.in + kLanes - 1) / kLanes + 1);
-      const int64_t group = pb.in / pb.groups;
-      for (size_t v = 0; v < vector_group.size(); ++v)
-        vector_group[v] =
-            static_cast<int32_t>(std::min<int64_t>(v * kLanes / group, pb.groups - 1));
-      pb.vector_group = vector_group.data();
-    }
+  Problem& pb = scratch.problem;
+  pb = Problem{};
+  ffi::Error error = weight_problem(w, scales, mins, x_dims[0], x_dims[1], bf16, pb);
+  if (error.failure()) return error;
+  const auto y_dims = y->dimensions();
+  if (y_dims.size() != 2 || y_dims[0] != pb.rows || y_dims[1] != pb.out)
+    return ffi::Error::InvalidArgument("y must be [R, O]");
+  pb.y = y->typed_data();
+  if (pb.kind == Kind::kInt8) {
+    std::vector<int32_t>& vector_group = scratch.vector_group;
+    vector_group.resize((pb.in + kLanes - 1) / kLanes + 1);
+    const int64_t group = pb.in / pb.groups;
+    for (size_t v = 0; v < vector_group.size(); ++v)
+      vector_group[v] = static_cast<int32_t>(std::min<int64_t>(v * kLanes / group, pb.groups - 1));
+    pb.vector_group = vector_group.data();
   }
-  if (x_dims[0] == 0) return ffi::Error::Success();
-  // x is prepared once for the call: its weights take the integer dots all or none
-  bool integer_dots = true;
-  for (const Problem& p : problems) integer_dots = integer_dots && integer_dots_fit(p);
-  problems[0].integer_dots = integer_dots;  // the others take it from problems[0] below
-  Problem& pb = problems[0];
+  if (pb.rows == 0) return ffi::Error::Success();
+  const float* x_in = x.typed_data();
+  pb.integer_dots = integer_dots_fit(pb);
   // x as the tiles read it: a bfloat16 product multiplies x rounded to bfloat16 (XLA's dot
   // rounds it the same way), in bfloat16 for vdpbf16ps; float x is padded with zeros to
   // whole vectors when I is not a multiple of kLanes.
   const bool round_x = pb.bf16;
-  std::vector<float>& padded = scratch.padded;
-  std::vector<float>& x_sum = scratch.x_sum;
-  std::vector<float>& x_scale = scratch.x_scale;
-  std::vector<uint16_t>& x_bf16 = scratch.x_bf16;
   if (pb.integer_dots) {
-    prepare_x8(x.typed_data(), pb, pb.kind == Kind::kInt4, scratch.x8, x_scale, x_sum,
+    prepare_x8(x_in, pb, pb.kind == Kind::kInt4, scratch.x8, scratch.x_scale, scratch.x_sum,
                scratch.x8_lanes, scratch.x_offset);
   } else if ((pb.kind == Kind::kBF16 || pb.bf16) && direct(pb)) {
+    std::vector<uint16_t>& x_bf16 = scratch.x_bf16;
     pb.x_bf16_stride = (pb.in + 31) / 32 * 32;
     x_bf16.assign(pb.rows * pb.x_bf16_stride, 0);
     for (int64_t r = 0; r < pb.rows; ++r)
-      to_bf16(x.typed_data() + r * pb.in, pb.in, x_bf16.data() + r * pb.x_bf16_stride);
+      to_bf16(x_in + r * pb.in, pb.in, x_bf16.data() + r * pb.x_bf16_stride);
     pb.x_bf16 = x_bf16.data();
   } else if (pb.in % (2 * kLanes) == 0 && !round_x) {
-    pb.x = x.typed_data();
+    pb.x = x_in;
     pb.x_stride = pb.in;
   } else {  // whole steps of 32 columns (the direct int8 path reads x 32 at a time)
+    std::vector<float>& padded = scratch.padded;
     pb.x_stride = (pb.in + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
     padded.assign(pb.rows * pb.x_stride, 0.0f);
     for (int64_t r = 0; r < pb.rows; ++r)
       for (int64_t k = 0; k < pb.in; ++k) {
-        const float v = x.typed_data()[r * pb.in + k];
+        const float v = x_in[r * pb.in + k];
         padded[r * pb.x_stride + k] =
             round_x ? bits_to_f32(static_cast<uint32_t>(f32_to_bf16(v)) << 16) : v;
       }
     pb.x = padded.data();
   }
-  for (size_t i = 1; i < problems.size(); ++i) problems[i] = with_weight(pb, problems[i]);
-  run_items(pool, problems, parallel_bytes);
+  run_items(pool, pb, parallel_bytes);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaLinearCpu, Linears,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaLinearCpu, Linear,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [R, I]
-                                  // per weight: w [O, I] (int4: [O, I/2]), scales [O, G] or
-                                  // [0, 0], mins [O, I/32] or [0, 0]
-                                  .RemainingArgs()
-                                  .RemainingRets()  // per weight: y f32[R, O]
+                                  .Arg<ffi::AnyBuffer>()  // w [O, I] (int4: u8[O, I/2])
+                                  .Arg<ffi::AnyBuffer>()  // scales [O, G] or [0, 0]
+                                  .Arg<ffi::AnyBuffer>()  // mins [O, I/32] or [0, 0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [R, O]
                                   .Attr<bool>("bf16")  // bfloat16 products (see Problem)
                                   // weight bytes from which the pool's threads join
                                   .Attr<int64_t>("parallel_bytes"));

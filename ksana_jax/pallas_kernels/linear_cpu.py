@@ -1,9 +1,7 @@
 """Small-batch linear layers for CPUs: y f32[R, O] = x f32[R, I] . w[O, I]^T as a C++ XLA
 FFI custom call, linear_cpu.cc, for float32, bfloat16, int8 and int4 weights (quant.py's
-Int8Matrix / Int4Matrix, read as their packed bytes: no dequantized copy). One call takes
-one weight (`linear`) or several that share x (`linears`), streamed as one product: one XLA
-thunk, its work items spread over all of the weights' rows. The models call `linear` only:
-q/k/v and gate/up are fused into one matrix each at load (models/fusion.py).
+Int8Matrix / Int4Matrix, read as their packed bytes: no dequantized copy), one weight a
+call (q/k/v and gate/up are fused into one matrix each at load, models/fusion.py).
 
 At decode's few rows a product is bound by the weight bytes, and XLA:CPU streams them far
 below the machine's bandwidth; the kernel has every core stream its own weight rows once,
@@ -110,16 +108,16 @@ MAX_ROWS = {
     "int4_integer_dots": 64,
 }
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
-# Calls of fewer weight bytes (all of their weights together) run on the caller's thread
-# alone. XLA's pool threads started 0.1-10 ms late on this repo's loaded 2-core machine,
-# after a decode layer's products (10-100 us) had finished, so the threshold was once 1 MiB;
+# Calls of fewer weight bytes (with their scales) run on the caller's thread alone. XLA's
+# pool threads started 0.1-10 ms late on this repo's loaded 2-core machine, after a decode
+# layer's products (10-100 us) had finished, so the threshold was once 1 MiB;
 # the kernels' own spinning pool (cpu_pool.h) joins within microseconds, and a quantized
 # product is bound by its unpacking more than by its bytes (int4: four times the multiplies
 # of bfloat16 a byte). SmolLM2 batch-1 (2026-12-02, one process per setting, 2-3 alternating
 # rounds, the jitted step alone): int4 10.4-11.9 ms a step at 256 KiB and 10.6-10.9 at 128 KiB
 # against 11.9-13.0 at 1 MiB (which left q/k/v, o and down on one core); int8 14.2-14.7
 # against 18.0-18.3; bfloat16 15.7-16.8 against 16.3-16.8 (the output projection, 0.66 MB,
-# on both cores). benchmarks/linear_cpu.py --fused re-measures it.
+# on both cores). benchmarks/linear_cpu.py --layers re-measures it.
 PARALLEL_BYTES = 1 << 17
 # KSANA_JAX_CPU_LINEAR=0 keeps XLA's dot everywhere (a before/after comparison in one run).
 ENABLED = os.environ.get("KSANA_JAX_CPU_LINEAR", "1") != "0"
@@ -189,33 +187,9 @@ def _scale_dtype(a: jax.Array) -> jax.Array:
 
 
 def kind(w: jax.Array | quant.QuantizedMatrix) -> tuple[str, str]:
-    """The weight's storage format and product dtype: weights of one `linears` call share it."""
+    """The weight's storage format and product dtype."""
     fmt = w.format if quant.is_quantized(w) else jnp.dtype(w.dtype).name
     return fmt, jnp.dtype(w.dtype).name
-
-
-def linears(x: jax.Array, *weights: jax.Array | quant.QuantizedMatrix) -> tuple[jax.Array, ...]:
-    """x [R, I] times each weight w_i [O_i, I] transposed -> (f32[R, O_i], ...), as one kernel
-    call: `linear` for every weight, streamed together (the weights must be of one `kind`).
-    Raises ValueError for a weight the kernel does not take (`supports`) or mixed kinds."""
-    for w in weights:
-        if not supports(w):
-            raise ValueError(f"the cpu linear kernel does not take a weight {w!r:.200}")
-        if x.ndim != 2 or x.shape[1] != w.shape[1]:
-            raise ValueError(f"x must be [R, {w.shape[1]}], got {x.shape}")
-    kinds = {kind(w) for w in weights}
-    if len(kinds) != 1:
-        raise ValueError(f"the weights of one call must be of one kind, got {sorted(kinds)}")
-    cpu_build.register(SOURCE, _SYMBOL, TARGET)
-    operands = []
-    for w in weights:
-        values, scales, mins = _operands(w)
-        operands += [values, _scale_dtype(scales), _scale_dtype(mins)]
-    results = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32) for w in weights]
-    call = jax.ffi.ffi_call(TARGET, results)
-    bf16 = jnp.dtype(weights[0].dtype) == jnp.bfloat16
-    ys = call(x.astype(jnp.float32), *operands, bf16=bf16, parallel_bytes=np.int64(PARALLEL_BYTES))
-    return tuple(ys)
 
 
 def linear(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> jax.Array:
@@ -226,5 +200,20 @@ def linear(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> jax.Array:
     (`integer_dots`) is not rounded: x is multiplied by the exact q * scale (+ min) (closer to
     the float32 product than the jnp path's bfloat16 weights, by up to their rounding, 2^-9 of
     each weight), while x's bfloat16 values are rounded further (`x_step`).
-    Raises ValueError for a weight the kernel does not take (`supports`)."""
-    return linears(x, w)[0]
+    Raises ValueError for a weight the kernel does not take (`supports`) or an x that does
+    not fit it."""
+    if not supports(w):
+        raise ValueError(f"the cpu linear kernel does not take a weight {w!r:.200}")
+    if x.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x must be [R, {w.shape[1]}], got {x.shape}")
+    cpu_build.register(SOURCE, _SYMBOL, TARGET)
+    values, scales, mins = _operands(w)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    return call(
+        x.astype(jnp.float32),
+        values,
+        _scale_dtype(scales),
+        _scale_dtype(mins),
+        bf16=jnp.dtype(w.dtype) == jnp.bfloat16,
+        parallel_bytes=np.int64(PARALLEL_BYTES),
+    )
