@@ -102,8 +102,8 @@ def chain(product):
     return run
 
 
-# SmolLM2-135M's products in one decode step: 30 layers of q, k, v, o, gate, up, down, then
-# the tied LM head.
+# SmolLM2-135M's products in one decode step: 30 layers of the fused q/k/v, o, the fused
+# gate/up and down (models/fusion.py), then the tied LM head.
 SMOLLM2_LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # wqkv, wo, w_gate_up, w_down
 SMOLLM2_STEP = SMOLLM2_LAYER * 30 + [(49152, 576)]
 
