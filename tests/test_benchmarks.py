@@ -56,6 +56,7 @@ def test_throughput_pieces_run_on_the_engine(tmp_path):
     assert sum(row[3] for row in steps.rows) == sum(len(p) + m - 1 for p, m in requests)
     steps.print_table()
     assert throughput.decode_step_seconds(llm, repeats=2) > 0
+    assert throughput.decode_step_seconds(llm, repeats=3, pipelined=True) > 0
     assert throughput.read_bandwidth() > 1e8  # bytes/s: any machine reads 100 MB/s
 
 
