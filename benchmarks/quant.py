@@ -12,10 +12,10 @@ default engine's smallest 16-token bucket) and one context bucket of 256 tokens.
 formats run interleaved `--repeat` times and each one's best runs count (the machine is
 shared: one busy spell should not decide a ratio).
 "step ms" is the jitted step alone at 1 row, steps dispatched back to back (throughput.py's
-`decode_step_seconds`, pipelined): a step's time with its dispatch hidden behind the step
-before, the most the engine could reach with no other host work between its steps; tok/s
-below 1000 / step ms is the engine's own host work (scheduling, inputs, fetching and
-detokenizing) that the overlap does not hide.
+`decode_step_seconds`, pipelined) at the timed runs' mean context: a step's time with its
+dispatch hidden behind the step before, the most the engine could reach with no other host
+work between its steps; tok/s below 1000 / step ms is the engine's own host work
+(scheduling, inputs, fetching and detokenizing) that the overlap does not hide.
 
 The floor is the params' bytes (every matrix is read once a step; the tied LM head is the
 embedding table) over the all-core read bandwidth measured in this run (linear_cpu.py's
@@ -103,7 +103,7 @@ def generate_seconds(llm: LLM, rows: int, tokens: int) -> float:
 
 
 def measure(
-    path, formats, rows_list, tokens: int, repeat: int, max_model_len=MAX_MODEL_LEN, step_repeats=20
+    path, formats, rows_list, tokens: int, repeat: int, max_model_len=MAX_MODEL_LEN, step_repeats=100
 ) -> list[dict]:
     """One result per (format, rows) of the checkpoint at `path`: best tok/s over `repeat`
     interleaved runs, the params' bytes, whether the kernel runs, and (at 1 row) the best
@@ -135,7 +135,8 @@ def measure(
                 # The tokens after the first over the time they took.
                 row["tok_s"] = rows * (tokens - 1) / (row["full_s"] - row["first_s"])
                 if rows == 1:
-                    step_s = decode_step_seconds(llm, step_repeats, pipelined=True)
+                    middle = PROMPT_TOKENS + tokens // 2  # the timed runs' mean context
+                    step_s = decode_step_seconds(llm, step_repeats, True, middle)
                     row["step_s"] = min(row["step_s"], step_s)
             for row in mine:
                 print_row(row, float("nan"), flush=True)  # progress; the table comes last

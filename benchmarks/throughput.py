@@ -144,19 +144,22 @@ def read_bandwidth() -> float:
     return data.nbytes / min(times)
 
 
-def decode_step_seconds(llm: LLM, repeats: int = 20, pipelined: bool = False) -> float:
-    """A batch-1 decode step (smallest token and row buckets) after a context of the
-    smallest context bucket, through the engine's own jitted step and backend. Serial (the
-    default): the median of single steps, each dispatched and waited for. `pipelined`:
+def decode_step_seconds(
+    llm: LLM, repeats: int = 20, pipelined: bool = False, position: int | None = None
+) -> float:
+    """A batch-1 decode step (smallest token and row buckets) of the token at `position`
+    (default: the smallest context bucket's last), through the engine's own jitted step and
+    backend. Serial (the default): the median of single steps, each dispatched and waited
+    for. `pipelined`:
     `repeats` steps dispatched back to back and waited for once, each reading the state the
     one before left on the device, as the engine's overlapped steps do: the time a step takes
     with its dispatch hidden behind the step before (what the engine would reach with no
     other host work) -- the serial time adds the dispatch and the wait to it."""
     runner, cfg = llm.engine.runner, llm.config
-    context = cfg.context_buckets[0]
+    position = cfg.context_buckets[0] - 1 if position is None else position
     pages = runner.context_buckets[0] // cfg.page_size  # the page-table width runs use
     inputs = build_step_inputs(
-        [SequenceChunk([5], context - 1, range(1, pages + 1))],
+        [SequenceChunk([5], position, range(1, pages + 1))],
         cfg.page_size,
         cfg.token_buckets[0],
         cfg.seq_buckets[0],
