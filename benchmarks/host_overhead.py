@@ -14,8 +14,12 @@ timer -- host ms per step, device ms per step and the fraction of time the devic
 between steps (see ksana_jax/step_metrics.py). Runs against older engines too (no async
 option, no timer: those columns say n/a).
 
-    python benchmarks/host_overhead.py [--models tiny smollm2] [--rows 1 64 256]
+    python benchmarks/host_overhead.py [--models tiny smollm2 llama3_8b] [--rows 1 64 256]
         [--max-model-len 1024 32768] [--tokens 64] [--repeat 3] [--dtype bfloat16]
+        [--random-weights]
+
+"llama3_8b" (for a GPU machine: 16 GB of weights) and, with `--random-weights`, "smollm2"
+have random bfloat16 weights made on the device (`random_model`): no checkpoint is read.
 
 In the same run, vLLM's CPU build decodes the same requests on the same checkpoints (rows
 "vllm"; its own venv, made on first use: see vllm_peer.py; `--no-vllm` leaves it out; its
@@ -27,10 +31,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shutil
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import vllm_peer
 
@@ -95,6 +102,36 @@ def engine_options(
     if asynchronous is not None:
         options["async_scheduling"] = asynchronous
     return options
+
+
+def random_model(name: str) -> ksana_jax.Model:
+    """A model of `name`'s shape with random bfloat16 weights made on the device, for a
+    machine that has no checkpoint of it (decode speed does not depend on the weights'
+    values): "smollm2" is the demo's config, "llama3_8b" aot_engine_step.MODEL_SHAPES' with
+    SmolLM2's vocabulary (49,152, not 128,256: its tokenizer, the tiny checkpoint's, stands
+    in, so the LM head is 0.4 GB, not 1.05). The tokenizer is the tiny checkpoint's."""
+    from aot_engine_step import MODEL_SHAPES
+
+    from ksana_jax.checkpoint import read_tokenizer
+    from ksana_jax.models import registry
+    from ksana_jax.sharding import make_plan
+
+    tokenizer_dir = tiny_checkpoint()
+    if name == "smollm2":  # the converted demo's config (its folder alone, without params, will do)
+        config = cache_dir() / "SmolLM2-135M-Instruct" / "config.json"
+        config = config if config.exists() else demo_checkpoint() / "config.json"
+        hf = json.loads(config.read_text())
+    else:
+        hf = dict(MODEL_SHAPES[name], vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    config = registry.config_from_hf(dict(hf, dtype="bfloat16", torch_dtype="bfloat16"))
+    key = jax.random.key(0)
+    flat = {}
+    for i, (param, shape) in enumerate(registry.param_shapes(config).items()):
+        noise = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16)
+        flat[param] = 1 + noise / 10 if param.endswith("norm") else noise / 50
+    plan = make_plan(config, 1)
+    params = plan.shard_params(registry.params_from_flat(flat, config))
+    return ksana_jax.Model(config, params, read_tokenizer(tokenizer_dir), {}, plan)
 
 
 def random_prompts(rows: int, vocab: int) -> list[list[int]]:
@@ -167,15 +204,23 @@ def main() -> None:
     parser.add_argument(
         "--dtype", default="bfloat16", help="SmolLM2's dtype (the tiny model runs in float32)"
     )
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="SmolLM2 with random bfloat16 weights made on the device (`random_model`)",
+    )
     args = parser.parse_args()
 
     has_async = "async_scheduling" in {f.name for f in dataclasses.fields(EngineConfig)}
     modes = [False, True] if has_async else [None]
     results = []
     for name in args.models:
-        path = tiny_checkpoint() if name == "tiny" else demo_checkpoint()
-        dtype = "float32" if name == "tiny" else args.dtype
-        model = ksana_jax.load(path, dtype=dtype)
+        if name == "llama3_8b" or (name == "smollm2" and args.random_weights):
+            path, dtype, model = None, "bfloat16", random_model(name)
+        else:
+            path = tiny_checkpoint() if name == "tiny" else demo_checkpoint()
+            dtype = "float32" if name == "tiny" else args.dtype
+            model = ksana_jax.load(path, dtype=dtype)
         context = model.config.max_position_embeddings
         max_model_lens = sorted({min(n, context) for n in args.max_model_len})
         for rows in args.rows:
@@ -183,7 +228,7 @@ def main() -> None:
             for (max_model_len, mode), row in best.items():
                 results.append((name, max_model_len, rows, mode, row))
                 print_row(*results[-1], flush=True)
-            if args.no_vllm:
+            if args.no_vllm or path is None:  # vLLM loads checkpoints only
                 continue
             prompts = random_prompts(rows, model.config.vocab_size)
             for max_model_len in max_model_lens:

@@ -205,6 +205,25 @@ def test_host_overhead_pieces_run_on_the_engine(tmp_path, capsys):
     assert "async on/off" in out and "max_len 128/64" in out
 
 
+def test_random_model_has_the_demo_checkpoints_shapes():
+    """host_overhead.random_model (random bfloat16 weights made on the device, for a GPU
+    machine that has no checkpoint): for "smollm2" the demo checkpoint's params tree and
+    shapes, and the engine decodes with it."""
+    from ksana_jax.demo import demo_checkpoint
+
+    host_overhead = load_script("host_overhead")
+    model = host_overhead.random_model("smollm2")
+    demo = ksana_jax.load(demo_checkpoint(), dtype="bfloat16")
+
+    def shapes(m):
+        return jax.tree.map(lambda a: (a.shape, str(a.dtype)), m.params)
+
+    assert shapes(model) == shapes(demo)
+    assert model.config.num_hidden_layers == demo.config.num_hidden_layers == 30
+    best = host_overhead.measure(model, 1, [64], 3, [True])
+    assert best[64, True]["tok_s"] > 0
+
+
 def test_linear_cpu_pieces_run():
     """benchmarks/linear_cpu.py's chain of products: kernel and XLA agree on small shapes."""
     bench = load_script("linear_cpu")
