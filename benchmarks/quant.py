@@ -103,7 +103,13 @@ def generate_seconds(llm: LLM, rows: int, tokens: int) -> float:
 
 
 def measure(
-    path, formats, rows_list, tokens: int, repeat: int, max_model_len=MAX_MODEL_LEN, step_repeats=100
+    path,
+    formats,
+    rows_list,
+    tokens: int,
+    repeat: int,
+    max_model_len=MAX_MODEL_LEN,
+    step_repeats=100,
 ) -> list[dict]:
     """One result per (format, rows) of the checkpoint at `path`: best tok/s over `repeat`
     interleaved runs, the params' bytes, whether the kernel runs, and (at 1 row) the best
