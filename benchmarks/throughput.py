@@ -150,11 +150,11 @@ def decode_step_seconds(
     """A batch-1 decode step (smallest token and row buckets) of the token at `position`
     (default: the smallest context bucket's last), through the engine's own jitted step and
     backend. Serial (the default): the median of single steps, each dispatched and waited
-    for. `pipelined`:
-    `repeats` steps dispatched back to back and waited for once, each reading the state the
-    one before left on the device, as the engine's overlapped steps do: the time a step takes
-    with its dispatch hidden behind the step before (what the engine would reach with no
-    other host work) -- the serial time adds the dispatch and the wait to it."""
+    for. `pipelined`: `repeats` steps dispatched back to back and waited for once, each
+    reading the state the one before left on the device, as the engine's overlapped steps
+    do: the time a step takes with its dispatch hidden behind the step before (what the
+    engine would reach with no other host work) -- the serial time adds the dispatch and the
+    wait to it."""
     runner, cfg = llm.engine.runner, llm.config
     position = cfg.context_buckets[0] - 1 if position is None else position
     pages = runner.context_buckets[0] // cfg.page_size  # the page-table width runs use
