@@ -6,10 +6,12 @@ run the same steps, with the same inputs, in the same order. Process 0 (the lead
 engine -- scheduler, page manager, tokenizer, HTTP server. Before each step's forward program
 (warm-up steps included) its runner sends the step's host inputs through a `StepChannel`: a
 header i32[4] = (STEP, T, S, P) and then the input arrays of that bucket shape, two
-`broadcast_one_to_all` collectives; before its sampling program, the token bitmask, a third.
+`broadcast_one_to_all` collectives; before its sampling program (and its scoring program,
+if any) the header (SAMPLE, plan, scored size, 0) and the token bitmask: what to sample is
+the leader's decision (runner.Forwarded.plan), which the followers take as sent.
 Page-table writes run before a step (runner.write_pages) go as (PAGES, D, 0, 0) and the writes.
 The other processes (followers) run `follow(runner)`, which receives each step and runs its
-two programs, in the leader's order, until the leader sends the STOP header
+programs, in the leader's order, until the leader sends the STOP header
 (`StepChannel.close`, also run at exit). A follower has nothing to serve: with
 `ksana-jax serve`, only process 0 opens the HTTP port.
 
@@ -35,8 +37,10 @@ import numpy as np
 from jax.experimental.multihost_utils import broadcast_one_to_all
 
 from ksana_jax.batch import PageWrites
+from ksana_jax.sampling import SamplerPlan
 
-STOP, STEP, PAGES = 0, 1, 2
+STOP, STEP, PAGES, SAMPLE = 0, 1, 2, 3
+PLANS = tuple(SamplerPlan)  # a plan travels as its index
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
@@ -87,8 +91,12 @@ class StepChannel:
         broadcast_one_to_all(np.array([PAGES, writes.slots.shape[0], 0, 0], np.int32))
         broadcast_one_to_all(writes)
 
-    def send_bitmask(self, token_bitmask: np.ndarray) -> None:
-        """Sends the token bitmask of the step last sent, before its sampling program."""
+    def send_sample(self, plan: SamplerPlan, scored_size: int, token_bitmask: np.ndarray) -> None:
+        """Sends how to sample the step last sent, and its token bitmask, before its sampling
+        program (warm-up samples one step under several plans)."""
+        if self._closed:
+            raise RuntimeError("the step channel is closed: the followers have stopped")
+        broadcast_one_to_all(np.array([SAMPLE, PLANS.index(plan), scored_size, 0], np.int32))
         broadcast_one_to_all(token_bitmask)
 
     def close(self) -> None:
@@ -113,7 +121,7 @@ class _Runner(Protocol):
 
     def write_pages(self, writes: PageWrites) -> None: ...
 
-    def sample(self, forwarded: Any, token_bitmask: Any) -> Any: ...
+    def sample(self, forwarded: Any, token_bitmask: Any, plan: Any, num_scored: int) -> Any: ...
 
 
 def follow(runner: _Runner) -> int:
@@ -121,20 +129,25 @@ def follow(runner: _Runner) -> int:
     if not is_follower():
         raise RuntimeError("process 0 leads; follow() is for the other processes")
     steps = 0
+    forwarded = None  # the last step's forward outputs
     while True:
         command, *shape = broadcast_one_to_all(np.zeros(4, np.int32)).tolist()
         if command == STOP:
             return steps
-        # What arrives has the shapes and dtypes of padding: of the writes' width D, or of
-        # the step's bucket (T, S, P).
+        # What arrives has the shapes and dtypes of padding: of the writes' width D, of the
+        # step's bucket (T, S, P), or of its bitmask (W sampled positions).
         if command == PAGES:
             writes = PageWrites.padding(shape[0], runner.batch.num_slots)
             runner.write_pages(broadcast_one_to_all(writes))
-            continue
-        num_tokens, num_seqs, pages = shape
-        *inputs, token_bitmask = runner.padding_inputs(
-            num_tokens, num_seqs, pages * runner.config.page_size
-        )
-        forwarded = runner.forward(*broadcast_one_to_all(tuple(inputs)))
-        runner.sample(forwarded, broadcast_one_to_all(token_bitmask))
-        steps += 1
+        elif command == SAMPLE:
+            plan, size, _ = shape
+            token_bitmask = runner.batch.bitmasks([], forwarded.logits.shape[0])
+            # (a scored size is its own: scored_size(size, Q) == size)
+            runner.sample(forwarded, broadcast_one_to_all(token_bitmask), PLANS[plan], size)
+        else:
+            num_tokens, num_seqs, pages = shape
+            *inputs, _ = runner.padding_inputs(
+                num_tokens, num_seqs, pages * runner.config.page_size
+            )
+            forwarded = runner.forward(*broadcast_one_to_all(tuple(inputs)))
+            steps += 1

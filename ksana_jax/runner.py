@@ -4,21 +4,26 @@ In: the scheduler's chunks. Out: one sampled token (+ logprobs) per row, and the
 logprobs of the positions the chunks score (sampling.score_prompt). The runner owns the
 params, the KV array and the persistent batch (batch.py: host rows per slot, and the device's
 BatchState: last sampled tokens, penalty counts and the page table). A step is two programs,
-as SGLang's:
+as SGLang's, and a third when it scores prompt positions:
 
     dispatch(chunks)          [write_pages_step: a prefix-cache hit's pages, when they do not
                               fit in the step's page writes               (BatchState donated)]
                               forward_step: the model; the sampled positions' logits and the
-                              scored prompt logprobs stay on the device   (KV donated)
+                              scored positions' hidden states stay on the device
+                                                                          (KV donated)
     finish_dispatch(step)     the token bitmask, filled now from the grammars (batch.py);
                               sample_step: tokens, logprobs, proposals    (BatchState donated)
+                              [score_step: prompt logprobs]
     fetch(in_flight)          waits for the outputs
 
-Both only dispatch (JAX runs them asynchronously), so the engine fills the bitmask, and
-finishes the step before, while the forward runs. `engine_step` is the two composed into
-one program, for the AOT tools. Every step is padded to a (T tokens, S sequences, context)
-bucket from EngineConfig; `warm_up` compiles all of them first, so a serving workload never
-compiles.
+All only dispatch (JAX runs them asynchronously), so the engine fills the bitmask, and
+finishes the step before, while the forward runs. The host decides what the sampler and
+the scorer compute (a sampling.SamplerPlan and a scored size, both static), so the programs
+of a step whose rows sample greedily or plainly hold no conditional, which a GPU would run
+with a wait for the work queued before it. `engine_step` is the three composed into one
+program, for the AOT tools. Every step is padded to a (T tokens, S sequences, context)
+bucket from EngineConfig; `warm_up` compiles all of them first (each sampler plan, each
+scored size), so a serving workload never compiles.
 
 The params and KV carry the model's ShardingPlan shardings and every step's inputs are
 replicated over its mesh, the same in warm-up and serving, so sharding never recompiles.
@@ -65,12 +70,16 @@ from ksana_jax.pallas_kernels import linear_cpu, resolve_backend
 from ksana_jax.sampling import (
     PenaltyCounts,
     SampledTokens,
+    SamplerPlan,
     SamplingInputs,
     ScoredLogprobs,
     count_tokens,
     penalties_active,
+    plan_for,
     sample,
     score_prompt,
+    scored_size,
+    scored_sizes,
 )
 from ksana_jax.sampling_params import MAX_LOGIT_BIAS
 from ksana_jax.scheduler import ScheduledChunk
@@ -147,16 +156,25 @@ def _next_tokens(inputs: StepInputs, rows: RowInputs) -> jax.Array:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["logits", "next_tokens", "scored", "buffers"],
+    data_fields=[
+        "logits",
+        "next_tokens",
+        "token_ids",
+        "scored_hidden",
+        "scored_targets",
+        "buffers",
+    ],
     meta_fields=["layout"],
 )
 @dataclasses.dataclass(frozen=True)
 class Forwarded:
-    """What the forward program leaves on the device for the sampling program."""
+    """What the forward program leaves on the device for the sampling and scoring programs."""
 
     logits: jax.Array  # f32[W, V]  each sampled position's logits (past those in use: 0)
     next_tokens: jax.Array  # i32[W]  the token after each sampled position (its proposal)
-    scored: ScoredLogprobs  # the prompt positions RowInputs names, scored
+    token_ids: jax.Array  # i32[T]  the tokens the step fed (placeholders filled)
+    scored_hidden: jax.Array  # f32[Q, D]  the final hidden states RowInputs scores
+    scored_targets: jax.Array  # i32[Q]  the prompt token each one predicts (padding: -1)
     buffers: tuple[jax.Array, jax.Array]  # the step's packed inputs, for the sampler's rows
     layout: PackLayout  # static: how to unpack them
 
@@ -178,11 +196,12 @@ def _forward(
     """The step's first program: unpacks its inputs (StepInputs without the page table,
     SamplingInputs without the token bitmask, RowInputs; see batch.pack), writes the pages
     its rows gained into the device's page table and reads their first P pages from it,
-    feeds placeholders their slot's last sampled token, counts the fed tokens for penalties,
-    runs the model, and projects the sampled positions' logits and scores the prompt
-    positions RowInputs names. With a draft model (draft.py) the draft first fills the
+    feeds placeholders their slot's last sampled token, runs the model, projects the
+    sampled positions' logits and gathers the hidden states of the prompt positions
+    RowInputs scores. It branches on nothing (see sampling.py: a GPU would wait for the
+    work queued before it). With a draft model (draft.py) the draft first fills the
     drafted slots, then computes the step's tokens on its own KV."""
-    inputs, sampling, rows = unpack(buffers, layout)[:3]
+    inputs, _, rows = unpack(buffers, layout)[:3]
     page_table = rows.page_writes.apply(state.page_table)
     fed = state.last_token.at[rows.last_token_slots].get(mode="fill", fill_value=-1)
     inputs = dataclasses.replace(
@@ -195,29 +214,22 @@ def _forward(
             draft_params, draft_cfg, draft_kv, inputs, rows, num_speculative, backend
         )
         draft_kv = draft.catch_up(draft_params, draft_cfg, draft_kv, inputs, backend)
-    counts = jax.lax.cond(
-        jnp.any(penalties_active(sampling)),
-        lambda c: count_tokens(
-            c, rows.count_slots, inputs.token_ids, rows.is_output, rows.reset_slots
-        ),
-        lambda c: c,
-        state.counts,
-    )
     hidden, kv = registry.forward(params, cfg, kv, inputs, backend)
     logits = _on_used_positions(
         rows,
         lambda size, hidden: registry.logits(params, cfg, hidden[rows.sample_token_slots[:size]]),
         hidden,
     )
-    scored = score_prompt(
-        hidden,
-        rows.scored_token_slots,
+    out = Forwarded(
+        logits,
+        _next_tokens(inputs, rows),
+        inputs.token_ids,
+        hidden[rows.scored_token_slots],
         rows.scored_targets,
-        functools.partial(registry.logits, params, cfg),
-        max_logprobs,
+        buffers,
+        layout,
     )
-    out = Forwarded(logits, _next_tokens(inputs, rows), scored, buffers, layout)
-    return out, kv, _replicated(BatchState(state.last_token, counts, page_table)), draft_kv
+    return out, kv, _replicated(dataclasses.replace(state, page_table=page_table)), draft_kv
 
 
 def _sample(
@@ -225,18 +237,35 @@ def _sample(
     state: BatchState,
     token_bitmask: jax.Array,
     max_logprobs: int,
-) -> tuple[tuple[SampledTokens, ScoredLogprobs, jax.Array], BatchState]:
-    """The step's second program: samples each position from the forward's logits under the
-    token bitmask i32[W, ceil(V / 32)] (filled on the host while the forward ran). A
-    position whose draft the target's token equals accepts it; each slot's last token
-    becomes its row's last token after verification. Returns the sampled tokens, the scored
-    prompt logprobs and each sampled position's proposal i32[W] (-1: none)."""
+    plan: SamplerPlan = SamplerPlan.FULL,
+) -> tuple[tuple[SampledTokens, jax.Array], BatchState]:
+    """The step's second program: samples each position from the forward's logits as
+    `plan` (static) says, under the token bitmask i32[W, ceil(V / 32)] (filled on the host
+    while the forward ran). Under SamplerPlan.FULL it first counts the fed tokens for
+    penalties, if a row has one (the other plans have no penalty rows). A position whose
+    draft the target's token equals accepts it; each slot's last token becomes its row's
+    last token after verification. Returns the sampled tokens and each sampled position's
+    proposal i32[W] (-1: none)."""
     _, sampling, rows = unpack(forwarded.buffers, forwarded.layout)[:3]
     sampling = dataclasses.replace(sampling, token_bitmask=token_bitmask)
+    counts = state.counts
+    if plan is SamplerPlan.FULL:
+        counts = jax.lax.cond(
+            jnp.any(penalties_active(sampling)),
+            lambda c: count_tokens(
+                c, rows.count_slots, forwarded.token_ids, rows.is_output, rows.reset_slots
+            ),
+            lambda c: c,
+            counts,
+        )
     sampled = _on_used_positions(
         rows,
         lambda size, logits: sample(
-            logits[:size], jax.tree.map(lambda a: a[:size], sampling), state.counts, max_logprobs
+            logits[:size],
+            jax.tree.map(lambda a: a[:size], sampling),
+            counts,
+            max_logprobs,
+            plan,
         ),
         forwarded.logits,
     )
@@ -245,8 +274,22 @@ def _sample(
     )
     last_token = state.last_token.at[last].set(sampled.token_ids, mode="drop")
     proposals = jnp.where(rows.sample_has_draft, forwarded.next_tokens, -1)
-    state = _replicated(dataclasses.replace(state, last_token=last_token))
-    return (sampled, forwarded.scored, proposals), state
+    state = _replicated(BatchState(last_token, counts, state.page_table))
+    return (sampled, proposals), state
+
+
+def _score(
+    params: registry.Params,
+    cfg: ModelConfig,
+    hidden: jax.Array,
+    targets: jax.Array,
+    size: int,
+    max_logprobs: int,
+) -> ScoredLogprobs:
+    """The step's third program, run only when it scores prompt positions: their logprobs
+    (sampling.score_prompt) over the first `size` of the Q positions the forward gathered."""
+    to_logits = functools.partial(registry.logits, params, cfg)
+    return _replicated(score_prompt(hidden, targets, to_logits, max_logprobs, size))
 
 
 def _write_pages(state: BatchState, writes: PageWrites) -> BatchState:
@@ -269,16 +312,19 @@ def _engine_step(
     draft_cfg: ModelConfig | None = None,
     num_speculative: int = 0,
 ) -> tuple[tuple[SampledTokens, ScoredLogprobs, jax.Array], KVCache, BatchState, KVCache | None]:
-    """The whole step as one program: `_forward` then `_sample`, as the runner dispatches
-    them, its buffers packed from (inputs, sampling, rows, token bitmask), as
-    `ModelRunner.padding_inputs` gives them (what the AOT tools lower)."""
+    """The whole step as one program: `_forward`, `_sample` and `_score` as the runner
+    dispatches them at their most (SamplerPlan.FULL, all Q scored positions), its buffers
+    packed from (inputs, sampling, rows, token bitmask), as `ModelRunner.padding_inputs`
+    gives them (what the AOT tools lower)."""
     forwarded, kv, state, draft_kv = _forward(
         params, cfg, kv, state, buffers, layout, max_logprobs, backend,
         draft_params, draft_kv, draft_cfg, num_speculative,
     )  # fmt: skip
     token_bitmask = unpack(buffers, layout)[3]
-    out, state = _sample(forwarded, state, token_bitmask, max_logprobs)
-    return out, kv, state, draft_kv
+    (sampled, proposals), state = _sample(forwarded, state, token_bitmask, max_logprobs)
+    hidden, targets = forwarded.scored_hidden, forwarded.scored_targets
+    scored = _score(params, cfg, hidden, targets, targets.shape[0], max_logprobs)
+    return (sampled, scored, proposals), kv, state, draft_kv
 
 
 def _replicated(tree):
@@ -295,11 +341,12 @@ _FORWARD_JIT = dict(
     donate_argnames=("kv", "state", "draft_kv"),
 )
 forward_step = jax.jit(_forward, **_FORWARD_JIT)
-sample_step = jax.jit(_sample, static_argnames=("max_logprobs",), donate_argnames=("state",))
+sample_step = jax.jit(_sample, static_argnames=("max_logprobs", "plan"), donate_argnames=("state",))
+score_step = jax.jit(_score, static_argnames=("cfg", "size", "max_logprobs"))
 engine_step = jax.jit(_engine_step, **_FORWARD_JIT)
 write_pages_step = jax.jit(_write_pages, donate_argnames=("state",))
 # every jitted step, for compile_count (engine_step: only AOT tools and tests run it)
-_step_functions = {forward_step, sample_step, engine_step, write_pages_step}
+_step_functions = {forward_step, sample_step, score_step, engine_step, write_pages_step}
 
 
 # Platforms whose default array layouts can put the KV's dims out of order (a TPU does, see
@@ -352,13 +399,14 @@ class Forwarding(NamedTuple):
     logprobs: bool
     num_scored: int
     drafted: bool
+    sampler: SamplerPlan  # before the token mask: `ModelRunner.sample` widens it for one
 
 
 class InFlight(NamedTuple):
     """A dispatched step: its device outputs, sampled positions that matter, whether any
     wants logprobs, how many prompt positions it scores."""
 
-    out: tuple[SampledTokens, ScoredLogprobs, jax.Array]
+    out: tuple[SampledTokens, ScoredLogprobs | None, jax.Array]
     num_rows: int
     logprobs: bool
     num_scored: int
@@ -536,17 +584,28 @@ class ModelRunner:
             self.state = write_pages_step(self.state, writes)
 
     def sample(
-        self, forwarded: Forwarded, token_bitmask: np.ndarray | None
-    ) -> tuple[SampledTokens, ScoredLogprobs, jax.Array]:
-        """Dispatches the sampling program of a step `forward` dispatched, under
-        token_bitmask i32[W, ceil(V / 32)] (None: every token allowed); returns its outputs
-        as device arrays (not waited for): sampled tokens, scored prompt logprobs, proposals.
-        Process 0 of several sends the bitmask to the others first."""
+        self,
+        forwarded: Forwarded,
+        token_bitmask: np.ndarray | None,
+        sampler: SamplerPlan,
+        num_scored: int = 0,
+    ) -> tuple[SampledTokens, ScoredLogprobs | None, jax.Array]:
+        """Dispatches the sampling program of a step `forward` dispatched, as `sampler` says (a
+        token mask that allows some row less than every token widens it to FULL), under
+        token_bitmask i32[W, ceil(V / 32)] (None: every token allowed), and when the step
+        scores `num_scored` prompt positions, its scoring program; returns their outputs as
+        device arrays (not waited for): sampled tokens, scored prompt logprobs (None: none
+        scored), proposals. Process 0 of several sends the sampler plan, the scored size and the
+        bitmask to the others first, which run what it sends."""
         width = forwarded.logits.shape[0]
+        if token_bitmask is not None and np.all(token_bitmask == -1):
+            token_bitmask = None
+        if token_bitmask is not None:
+            sampler = SamplerPlan.FULL
+        size = scored_size(num_scored, self.config.max_num_scored_tokens)
         if self.channel is not None:
-            if token_bitmask is None:
-                token_bitmask = self.batch.bitmasks([], width)
-            self.channel.send_bitmask(token_bitmask)
+            mask = self.batch.bitmasks([], width) if token_bitmask is None else token_bitmask
+            self.channel.send_sample(sampler, size, mask)
         if token_bitmask is not None:
             token_bitmask = self._put(token_bitmask)
         else:  # kept on the device: an unconstrained step sends no mask
@@ -554,10 +613,20 @@ class ModelRunner:
                 self._all_allowed[width] = self._put(self.batch.bitmasks([], width))
             token_bitmask = self._all_allowed[width]
         with self.plan.activate():
-            out, self.state = sample_step(
-                forwarded, self.state, token_bitmask, self.config.max_logprobs
+            (sampled, proposals), self.state = sample_step(
+                forwarded, self.state, token_bitmask, self.config.max_logprobs, sampler
             )
-        return out
+            scored = None
+            if size:
+                scored = score_step(
+                    self.model.params,
+                    self.model.config,
+                    forwarded.scored_hidden,
+                    forwarded.scored_targets,
+                    size,
+                    self.config.max_logprobs,
+                )
+        return sampled, scored, proposals
 
     def _put(self, array: np.ndarray) -> jax.Array:
         """A host array on the device(s), placed as every step's inputs are."""
@@ -569,10 +638,12 @@ class ModelRunner:
         sampling: SamplingInputs,
         rows: RowInputs,
         token_bitmask: np.ndarray | None = None,
-    ) -> tuple[SampledTokens, ScoredLogprobs, jax.Array]:
+    ) -> tuple[SampledTokens, ScoredLogprobs | None, jax.Array]:
         """Dispatches one whole step (forward, then sampling under token_bitmask) on host
         inputs; returns its outputs as device arrays (not waited for)."""
-        return self.sample(self.forward(inputs, sampling, rows), token_bitmask)
+        num_scored = int(np.count_nonzero(rows.scored_targets >= 0))
+        forwarded = self.forward(inputs, sampling, rows)
+        return self.sample(forwarded, token_bitmask, plan_for(sampling, False), num_scored)
 
     def dispatch(self, chunks: list[ScheduledChunk]) -> Forwarding:
         """Dispatches the forward program of the step running `chunks`; `finish_dispatch`
@@ -598,8 +669,9 @@ class ModelRunner:
         drafted = drafting and any(c.draft_token_ids for c in chunks)
         forwarded = self.forward(inputs, sampling, rows)
         constrained = any(c.samples and c.request.matcher for c in chunks)
+        sampler = plan_for(sampling, masked=False)
         return Forwarding(
-            forwarded, chunks, constrained, num_positions, logprobs, num_scored, drafted
+            forwarded, chunks, constrained, num_positions, logprobs, num_scored, drafted, sampler
         )
 
     def finish_dispatch(self, step: Forwarding) -> InFlight:
@@ -609,7 +681,7 @@ class ModelRunner:
         masks = None
         if step.constrained:
             masks = self.batch.bitmasks(step.chunks, step.forwarded.logits.shape[0])
-        out = self.sample(step.forwarded, masks)
+        out = self.sample(step.forwarded, masks, step.sampler, step.num_scored)
         return InFlight(out, step.num_rows, step.logprobs, step.num_scored, step.drafted)
 
     @staticmethod
@@ -647,12 +719,17 @@ class ModelRunner:
         return [shape for shape in self.config.bucket_shapes() if shape[2] in self.context_buckets]
 
     def warm_up(self, progress: bool = True) -> int:
-        """Compiles (by running on padding only) every bucket shape; returns how many."""
+        """Compiles (by running on padding only) every bucket shape, its sampler under each
+        SamplerPlan, and the scoring program at each scored size; returns the shapes."""
         shapes = self.bucket_shapes()
         for num_tokens, num_seqs, context in tqdm(
             shapes, desc="warm-up", unit="bucket", disable=not progress
         ):
-            self.execute(*self.padding_inputs(num_tokens, num_seqs, context))
+            forwarded = self.forward(*self.padding_inputs(num_tokens, num_seqs, context)[:3])
+            for sampler in SamplerPlan:
+                self.sample(forwarded, None, sampler)
+        for size in scored_sizes(self.config.max_num_scored_tokens):
+            self.sample(forwarded, None, SamplerPlan.GREEDY, size)
         self.write_pages(PageWrites.padding(self.config.max_pages_per_seq, self.batch.num_slots))
         return len(shapes)
 

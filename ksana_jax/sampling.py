@@ -7,12 +7,18 @@ often each was generated), kept on device in the persistent batch (runner.BatchS
 updated from each step's fed tokens (`count_tokens`), so no step ships a token history.
 
 Every option is data (a per-row array), never structure, so one compiled step serves any
-mix of requests. Work no row of the batch needs is skipped with `lax.cond` on that data:
-the vocabulary sort when every row is greedy, the penalty-count gathers when no row has a
-penalty, log-softmax and top-N when no row wants logprobs (on CPU these passes over [S, V]
-took ~45 ms of a 64-row SmolLM2 decode step). A batch of plain greedy rows (the common
-serving case) skips all of it at once: one `lax.cond` takes only the argmax, which reduces
-blocks of the vocabulary first (`_argmax`). A row's randomness is
+mix of requests. Which passes the sampler runs is decided on the host, from the step's rows
+(`SamplerPlan`, a static argument: one compiled sampler per plan): a plain greedy batch
+(the common serving case) only takes the argmax, which reduces blocks of the vocabulary
+first (`_argmax`); a batch whose rows only sample (temperature, top-k/top-p/min-p, seeds)
+adds the filters and the noise; any other batch runs `SamplerPlan.FULL`, where work no row
+needs is skipped with `lax.cond` on the data: the vocabulary sort when every row is
+greedy, the penalty gathers when no row has a penalty, log-softmax and top-N when no row
+wants logprobs (on CPU these passes over [S, V] took ~45 ms of a 64-row SmolLM2 decode
+step). The two common plans branch on nothing: a GPU runs a conditional by copying its
+predicate to the host, so dispatching a program that holds one waits for the work queued
+before it (measured on an H200: the sampler's dispatch took the forward's 4.4 ms).
+A row's randomness is
 `fold_in(key(seed), num_generated)` and its noise is
 indexed by token id, so a request's tokens depend only on its seed and its own history,
 not on what else is in the batch. Logprobs are those of the model's raw distribution
@@ -20,17 +26,19 @@ not on what else is in the batch. Logprobs are those of the model's raw distribu
 
 Prompt logprobs (`score_prompt`) come from a fixed number Q of a step's prompt positions
 (EngineConfig.max_num_scored_tokens), gathered from the final hidden states: only they go
-through the LM head, and a `lax.switch` on how many are in use projects the smallest size
-of `scored_sizes(Q)` that holds them, so one compiled step serves any mix.
+through the LM head, in the smallest size of `scored_sizes(Q)` that holds those in use
+(static, chosen on the host: a program of its own per size, runner.score_step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @functools.partial(
@@ -243,41 +251,63 @@ def _logprobs(
     return chosen, top_ids.astype(jnp.int32), top_logprobs
 
 
-def plain_greedy(s: SamplingInputs) -> jax.Array:
-    """bool[]: every row greedy with nothing else to do (no bias, penalty, suppressed token,
-    token mask or logprobs), so each row's token is its logits' argmax."""
+class SamplerPlan(enum.Enum):
+    """What a step's sampler computes (static: one compiled sampler each), decided on the
+    host from its rows (`plan_for`)."""
+
+    GREEDY = "greedy"  # every row greedy with nothing else to do: the argmax
+    RANDOM = "random"  # some row samples; none has a penalty, bias, ban, mask or logprobs
+    FULL = "full"  # any options; work no row needs is skipped with lax.cond
+
+
+def plan_for(s: SamplingInputs, masked: bool) -> SamplerPlan:
+    """The plan of a step whose rows are `s` (host arrays; its token_bitmask is not read),
+    `masked`: some row samples under a token bitmask."""
+    if (
+        masked
+        or np.any(penalties_active(s))
+        or np.any(s.bias_ids >= 0)
+        or np.any(s.suppressed_ids >= 0)
+        or np.any(s.num_logprobs >= 0)
+    ):
+        return SamplerPlan.FULL
+    return SamplerPlan.GREEDY if np.all(s.temperature == 0.0) else SamplerPlan.RANDOM
+
+
+def _no_logprobs(num_seqs: int, max_logprobs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     return (
-        jnp.all(s.temperature == 0.0)
-        & ~jnp.any(penalties_active(s))
-        & jnp.all(s.bias_ids < 0)
-        & jnp.all(s.suppressed_ids < 0)
-        & jnp.all(s.token_bitmask == -1)
-        & jnp.all(s.num_logprobs < 0)
+        jnp.zeros(num_seqs, jnp.float32),
+        jnp.zeros((num_seqs, max_logprobs), jnp.int32),
+        jnp.zeros((num_seqs, max_logprobs), jnp.float32),
     )
 
 
+def _choose(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    """Each row's token i32[S]: a greedy row's argmax, else a draw from its filtered
+    distribution (the argmax of the filtered logits plus the row's Gumbel noise)."""
+    vocab = logits.shape[1]
+    noise = jax.vmap(_row_noise, in_axes=(0, 0, None))(s.seeds, s.num_generated, vocab)
+    sampled = _argmax(_filter(logits, s) + noise)
+    return jnp.where(s.temperature == 0.0, _argmax(logits), sampled)
+
+
 def sample(
-    logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts, max_logprobs: int
+    logits: jax.Array,
+    s: SamplingInputs,
+    counts: PenaltyCounts,
+    max_logprobs: int,
+    plan: SamplerPlan = SamplerPlan.FULL,
 ) -> SampledTokens:
-    """Samples one token per row of logits f32[S, V]; `counts` holds every row's tokens so far
-    (including this step's fed tokens) at its slot. A plain greedy batch (`plain_greedy`) only
-    takes the argmax: the other passes over [S, V] and the conditionals that skip them cost
-    XLA:CPU ~20 ms at 64 x 49152 even when skipped (measured)."""
-    num_seqs = logits.shape[0]
-
-    def greedy(logits, s, counts):
-        return SampledTokens(
-            _argmax(logits),
-            jnp.zeros(num_seqs, jnp.float32),
-            jnp.zeros((num_seqs, max_logprobs), jnp.int32),
-            jnp.zeros((num_seqs, max_logprobs), jnp.float32),
-        )
-
-    full = functools.partial(_sample, max_logprobs=max_logprobs)
-    return jax.lax.cond(plain_greedy(s), greedy, full, logits, s, counts)
+    """Samples one token per row of logits f32[S, V] as `plan` says (FULL serves any rows;
+    the others only those plan_for gives them); `counts` holds every row's tokens so far
+    (including this step's fed tokens) at its slot."""
+    if plan is SamplerPlan.FULL:
+        return _sample_full(logits, s, counts, max_logprobs)
+    token_ids = _argmax(logits) if plan is SamplerPlan.GREEDY else _choose(logits, s)
+    return SampledTokens(token_ids, *_no_logprobs(logits.shape[0], max_logprobs))
 
 
-def _sample(
+def _sample_full(
     logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts, max_logprobs: int
 ) -> SampledTokens:
     """`sample` with every option."""
@@ -287,27 +317,14 @@ def _sample(
     banned = jnp.where(s.suppressed_ids >= 0, s.suppressed_ids, logits.shape[1])
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
     logits = _with_bitmask(logits, s.token_bitmask)
-    greedy = s.temperature == 0.0
-    vocab = logits.shape[1]
-
-    def random_tokens(logits):
-        noise = jax.vmap(_row_noise, in_axes=(0, 0, None))(s.seeds, s.num_generated, vocab)
-        return _argmax(_filter(logits, s) + noise)
-
     # Sorting the vocabulary is the expensive part; an all-greedy batch skips it.
-    sampled = jax.lax.cond(
-        jnp.all(greedy), lambda x: jnp.zeros(x.shape[0], jnp.int32), random_tokens, logits
+    token_ids = jax.lax.cond(
+        jnp.all(s.temperature == 0.0), lambda x, _: _argmax(x), _choose, logits, s
     )
-    token_ids = jnp.where(greedy, _argmax(logits), sampled)
-    num_seqs = logits.shape[0]
     chosen, top_ids, top_logprobs = jax.lax.cond(
         jnp.any(s.num_logprobs >= 0),
         functools.partial(_logprobs, max_logprobs=max_logprobs),
-        lambda *_: (
-            jnp.zeros(num_seqs, jnp.float32),
-            jnp.zeros((num_seqs, max_logprobs), jnp.int32),
-            jnp.zeros((num_seqs, max_logprobs), jnp.float32),
-        ),
+        lambda *_: _no_logprobs(logits.shape[0], max_logprobs),
         raw_logits,
         token_ids,
     )
@@ -321,18 +338,19 @@ def _sample(
 )
 @dataclasses.dataclass(frozen=True)
 class ScoredLogprobs:
-    """Prompt logprobs at a step's Q scored positions (meaningless past those in use): each
-    position's distribution over the next token, at that token (the target) and its top N."""
+    """Prompt logprobs at the first Z of a step's scored positions (Z = its scored_size;
+    meaningless past those in use): each position's distribution over the next token, at
+    that token (the target) and its top N."""
 
-    logprobs: jax.Array  # f32[Q]     logprob of the target
-    ranks: jax.Array  # i32[Q]     1 + tokens with a higher logprob than the target
-    top_ids: jax.Array  # i32[Q, N]  N = EngineConfig.max_logprobs
-    top_logprobs: jax.Array  # f32[Q, N]
+    logprobs: jax.Array  # f32[Z]     logprob of the target
+    ranks: jax.Array  # i32[Z]     1 + tokens with a higher logprob than the target
+    top_ids: jax.Array  # i32[Z, N]  N = EngineConfig.max_logprobs
+    top_logprobs: jax.Array  # f32[Z, N]
 
 
 def scored_sizes(num_scored: int) -> tuple[int, ...]:
-    """The sizes score_prompt projects (one `lax.switch` branch each): 16, 64, ... below Q,
-    then Q, so a few scored positions do not pay for the LM head over all Q."""
+    """The sizes score_prompt projects: 16, 64, ... below Q, then Q, so a few scored positions
+    do not pay for the LM head over all Q."""
     sizes = []
     size = 16
     while size < num_scored:
@@ -341,45 +359,20 @@ def scored_sizes(num_scored: int) -> tuple[int, ...]:
     return (*sizes, num_scored)
 
 
+def scored_size(num_used: int, num_scored: int) -> int:
+    """The smallest of scored_sizes(Q) that holds `num_used` positions (0 for none)."""
+    return next((s for s in scored_sizes(num_scored) if s >= num_used), 0) if num_used else 0
+
+
 def score_prompt(
-    hidden: jax.Array,
-    token_slots: jax.Array,
-    targets: jax.Array,
-    to_logits,
-    max_logprobs: int,
+    hidden: jax.Array, targets: jax.Array, to_logits, max_logprobs: int, size: int
 ) -> ScoredLogprobs:
     """Logprobs of `targets` i32[Q] (-1 past the positions in use, which come first) under the
-    logits of hidden states f32[T, D] at `token_slots` i32[Q]; `to_logits` maps hidden
-    [R, D] -> logits f32[R, V]. With no position in use, nothing is projected."""
-    q = targets.shape[0]
-    num = jnp.sum(targets >= 0)
-    sizes = scored_sizes(q)
-
-    def padded(out: ScoredLogprobs) -> ScoredLogprobs:
-        return jax.tree.map(
-            lambda a: jnp.pad(a, [(0, q - a.shape[0])] + [(0, 0)] * (a.ndim - 1)), out
-        )
-
-    def project(size: int):
-        def branch(hidden):
-            raw = jax.nn.log_softmax(to_logits(hidden[token_slots[:size]]), axis=-1)
-            target = jnp.maximum(targets[:size], 0)
-            chosen = jnp.take_along_axis(raw, target[:, None], axis=-1)[:, 0]
-            ranks = 1 + jnp.sum(raw > chosen[:, None], axis=-1, dtype=jnp.int32)
-            top_logprobs, top_ids = jax.lax.top_k(raw, max_logprobs)
-            return padded(ScoredLogprobs(chosen, ranks, top_ids.astype(jnp.int32), top_logprobs))
-
-        return branch
-
-    def nothing(hidden):
-        return ScoredLogprobs(
-            jnp.zeros(q, jnp.float32),
-            jnp.zeros(q, jnp.int32),
-            jnp.zeros((q, max_logprobs), jnp.int32),
-            jnp.zeros((q, max_logprobs), jnp.float32),
-        )
-
-    # 0: nothing; else 1 + the first size holding them (a sum, not searchsorted: that is
-    # a while loop, which a GPU runs with a host round trip per trip)
-    index = jnp.where(num == 0, 0, 1 + jnp.sum(num > jnp.asarray(sizes)))
-    return jax.lax.switch(index, [nothing, *map(project, sizes)], hidden)
+    logits of their positions' hidden states f32[Q, D], for the first `size` (static) of them;
+    `to_logits` maps hidden [R, D] -> logits f32[R, V]."""
+    raw = jax.nn.log_softmax(to_logits(hidden[:size]), axis=-1)
+    target = jnp.maximum(targets[:size], 0)
+    chosen = jnp.take_along_axis(raw, target[:, None], axis=-1)[:, 0]
+    ranks = 1 + jnp.sum(raw > chosen[:, None], axis=-1, dtype=jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(raw, max_logprobs)
+    return ScoredLogprobs(chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)

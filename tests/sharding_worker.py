@@ -167,6 +167,7 @@ def scenario_recompile(paths: list[str]) -> dict:
     import ksana_jax
     from ksana_jax import LLM
     from ksana_jax.runner import compile_count
+    from ksana_jax.sampling import scored_sizes
 
     compiles = record_compilations()
     model = ksana_jax.load(paths[0], tensor_parallel_size=4)
@@ -187,6 +188,7 @@ def scenario_recompile(paths: list[str]) -> dict:
     runner = engine.runner
     return {
         "buckets": len(llm.engine.runner.bucket_shapes()),
+        "scored_sizes": len(scored_sizes(runner.config.max_num_scored_tokens)),
         "warm": warm,
         "after": compile_count(),
         "compiles_after_warm_up": len(compiles),

@@ -25,12 +25,15 @@ import pytest
 
 from ksana_jax.sampling import (
     PenaltyCounts,
+    SamplerPlan,
     SamplingInputs,
     _filter,
     apply_penalties,
     count_tokens,
+    plan_for,
     sample,
     score_prompt,
+    scored_size,
     scored_sizes,
 )
 from ksana_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams
@@ -39,7 +42,7 @@ V = 16  # vocabulary of every sampler call here
 M = 12  # history length of every call (one compiled shape per batch size)
 N_LOGPROBS = 4
 
-sample_jit = jax.jit(functools.partial(sample, max_logprobs=N_LOGPROBS))
+sample_jit = jax.jit(functools.partial(sample, max_logprobs=N_LOGPROBS), static_argnames="plan")
 penalties_jit = jax.jit(apply_penalties)
 filter_jit = jax.jit(_filter)
 
@@ -144,8 +147,16 @@ def concat_inputs(parts: list[Rows]) -> Rows:
 
 
 def run(logits, rows: Rows):
-    out = sample_jit(jnp.asarray(logits, jnp.float32), rows.s, rows.counts)
-    return jax.tree.map(np.asarray, out)
+    """The sampler under the plan the runner picks for `rows`; it must sample what the plan
+    that serves any rows (FULL) does."""
+    logits = jnp.asarray(logits, jnp.float32)
+    masked = bool(np.any(np.asarray(rows.s.token_bitmask) != -1))
+    plan = plan_for(rows.s, masked)
+    out = jax.tree.map(np.asarray, sample_jit(logits, rows.s, rows.counts, plan=plan))
+    if plan is not SamplerPlan.FULL:
+        full = sample_jit(logits, rows.s, rows.counts, plan=SamplerPlan.FULL)
+        np.testing.assert_array_equal(out.token_ids, np.asarray(full.token_ids))
+    return out
 
 
 # ----------------------------------------------------------------------------- numpy oracles
@@ -710,10 +721,10 @@ def test_logit_bias_is_added_before_sampling():
     )
 
 
-@pytest.mark.parametrize("num_used", [0, 1, 16, 17, 40])
+@pytest.mark.parametrize("num_used", [1, 16, 17, 40])
 def test_score_prompt_is_log_softmax_at_the_scored_positions(num_used):
-    """Prompt logprobs of the first num_used of Q = 40 scored positions (each size branch of
-    the switch: 16, 40) equal numpy's, with the target's rank."""
+    """Prompt logprobs of the first num_used of Q = 40 scored positions (at each size the host
+    picks: 16, 40) equal numpy's, with the target's rank."""
     rng = np.random.default_rng(num_used)
     T, D, Q, N = 48, 8, 40, 3
     hidden = rng.normal(size=(T, D)).astype(np.float32)
@@ -722,11 +733,13 @@ def test_score_prompt_is_log_softmax_at_the_scored_positions(num_used):
     slots[:num_used] = rng.permutation(T)[:num_used]
     targets = np.full(Q, -1, np.int32)
     targets[:num_used] = rng.integers(0, V, num_used)
-    out = jax.jit(score_prompt, static_argnums=(3, 4))(
-        hidden, slots, targets, lambda h: h @ jnp.asarray(head), N
+    size = scored_size(num_used, Q)
+    out = jax.jit(score_prompt, static_argnums=(2, 3, 4))(
+        hidden[slots], targets, lambda h: h @ jnp.asarray(head), N, size
     )
     out = jax.tree.map(np.asarray, out)
-    assert scored_sizes(Q) == (16, Q) and out.top_ids.shape == (Q, N)
+    assert scored_sizes(Q) == (16, Q) and out.top_ids.shape == (size, N)
+    assert size == (16 if num_used <= 16 else Q) and scored_size(0, Q) == 0
     raw = np_log_softmax(hidden[slots[:num_used]] @ head)
     want = raw[np.arange(num_used), targets[:num_used]]
     np.testing.assert_allclose(out.logprobs[:num_used], want, atol=1e-5)
@@ -755,3 +768,55 @@ def test_plain_greedy_is_the_first_argmax(vocab):
     np.testing.assert_array_equal(plain.token_ids, logits.argmax(axis=1))
     full = run(logits, make_inputs(6, vocab=vocab, temperature=0.0))  # wants logprobs
     np.testing.assert_array_equal(full.token_ids, plain.token_ids)
+
+
+@pytest.mark.parametrize(
+    "fields, plan",
+    [
+        (dict(temperature=0.0, num_logprobs=-1), SamplerPlan.GREEDY),
+        (dict(temperature=[0.0, 0.7, 0.0], top_k=3, num_logprobs=-1), SamplerPlan.RANDOM),
+        (dict(temperature=0.0, num_logprobs=0), SamplerPlan.FULL),
+        (dict(temperature=0.0, num_logprobs=-1, presence_penalty=[0, 0, 0.5]), SamplerPlan.FULL),
+        (dict(temperature=0.7, num_logprobs=-1, repetition_penalty=1.1), SamplerPlan.FULL),
+        (dict(temperature=0.0, num_logprobs=-1, bias=[{}, {3: 1.0}, {}]), SamplerPlan.FULL),
+        (
+            dict(temperature=0.0, num_logprobs=-1, suppressed=[[2, -1, -1, -1]] * 3),
+            SamplerPlan.FULL,
+        ),
+    ],
+)
+def test_plan_is_the_least_the_rows_need(fields, plan):
+    """The host's plan: argmax alone for plain greedy rows, filters and noise for rows that
+    only sample, the full sampler for anything else (and for any token mask)."""
+    fields = dict(fields)
+    if "suppressed" in fields:
+        fields["suppressed"] = np.array(fields["suppressed"], np.int32)
+    rows = make_inputs(3, **fields)
+    assert plan_for(rows.s, masked=False) is plan
+    assert plan_for(rows.s, masked=True) is SamplerPlan.FULL
+
+
+def test_random_plan_samples_the_oracle_set_and_is_batch_invariant():
+    """Rows that only sample (no penalty, bias, ban, mask or logprobs) run the RANDOM plan:
+    every token lies in numpy's filtered set, greedy rows take the argmax, and each row's
+    token is what it samples alone (run() also checks it against the FULL plan)."""
+    rng = np.random.default_rng(11)
+    S = 12
+    logits, rows, f, _ = random_rows(rng, S, greedy_fraction=0.3)
+    rows = rows.replace(
+        repetition_penalty=jnp.ones(S),
+        presence_penalty=jnp.zeros(S),
+        frequency_penalty=jnp.zeros(S),
+        num_logprobs=jnp.full(S, -1, jnp.int32),
+    )
+    assert plan_for(rows.s, masked=False) is SamplerPlan.RANDOM
+    out = run(logits, rows)
+    for i in range(S):
+        if f["temperature"][i] == 0.0:
+            assert out.token_ids[i] == logits[i].argmax()
+        else:
+            allowed, near = np_allowed(
+                logits[i], f["temperature"][i], f["top_k"][i], f["top_p"][i], f["min_p"][i]
+            )
+            assert near or allowed[out.token_ids[i]]
+        assert run(logits[i : i + 1], take_rows(rows, [i])).token_ids[0] == out.token_ids[i]
