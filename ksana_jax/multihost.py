@@ -8,7 +8,7 @@ engine -- scheduler, page manager, tokenizer, HTTP server. Before each step's fo
 header i32[4] = (STEP, T, S, P) and then the input arrays of that bucket shape, two
 `broadcast_one_to_all` collectives; before its sampling program (and its scoring program,
 if any) the header (SAMPLE, plan, scored size, 0) and the token bitmask: what to sample is
-the leader's decision (runner.Forwarded.plan), which the followers take as sent.
+the leader's decision (a sampling.SamplerPlan), which the followers take as sent.
 Page-table writes run before a step (runner.write_pages) go as (PAGES, D, 0, 0) and the writes.
 The other processes (followers) run `follow(runner)`, which receives each step and runs its
 programs, in the leader's order, until the leader sends the STOP header

@@ -6,8 +6,8 @@ Penalties read per-row token counts (`PenaltyCounts`: which tokens the prompt ho
 often each was generated), kept on device in the persistent batch (runner.BatchState) and
 updated from each step's fed tokens (`count_tokens`), so no step ships a token history.
 
-Every option is data (a per-row array), never structure, so one compiled step serves any
-mix of requests. Which passes the sampler runs is decided on the host, from the step's rows
+Every option is data (a per-row array), never structure, so a compiled step serves any mix
+of requests. Which passes the sampler runs is decided on the host, from the step's rows
 (`SamplerPlan`, a static argument: one compiled sampler per plan): a plain greedy batch
 (the common serving case) only takes the argmax, which reduces blocks of the vocabulary
 first (`_argmax`); a batch whose rows only sample (temperature, top-k/top-p/min-p, seeds)
@@ -15,13 +15,13 @@ adds the filters and the noise; any other batch runs `SamplerPlan.FULL`, where w
 needs is skipped with `lax.cond` on the data: the vocabulary sort when every row is
 greedy, the penalty gathers when no row has a penalty, log-softmax and top-N when no row
 wants logprobs (on CPU these passes over [S, V] took ~45 ms of a 64-row SmolLM2 decode
-step). The two common plans branch on nothing: a GPU runs a conditional by copying its
-predicate to the host, so dispatching a program that holds one waits for the work queued
-before it (measured on an H200: the sampler's dispatch took the forward's 4.4 ms).
-A row's randomness is
-`fold_in(key(seed), num_generated)` and its noise is
-indexed by token id, so a request's tokens depend only on its seed and its own history,
-not on what else is in the batch. Logprobs are those of the model's raw distribution
+step). The two common plans branch on nothing: XLA:GPU runs a conditional it keeps by
+copying its predicate to the host, so dispatching a program that holds one waits for the
+work queued before it (measured on an H200: the sampler's dispatch took the forward's 4.4
+ms). A row's
+randomness is `fold_in(key(seed), num_generated)` and its noise is indexed by token id, so
+a request's tokens depend only on its seed and its own history, not on what else is in
+the batch (nor on the plan). Logprobs are those of the model's raw distribution
 (before logit bias, penalties and temperature), as vLLM returns them by default.
 
 Prompt logprobs (`score_prompt`) come from a fixed number Q of a step's prompt positions
