@@ -172,10 +172,12 @@ def test_layer_kv_write_lowers_with_the_kv_aliased(writer, platform):
     assert "tf.aliasing_output = 0" in module
 
 
-def test_engine_step_lowers_for_cuda_without_a_while_loop(tmp_path, monkeypatch):
-    """The whole jitted engine step (tiny model, pallas_gpu backend) lowered as a GPU would
-    trace it: Triton kernels for attention and the KV write, and no XLA while loop (on a GPU
-    every trip of one waits for the host)."""
+def _lowered_for_cuda(tmp_path, monkeypatch, make_step) -> str:
+    """The MLIR module of a step exported for CUDA: the tiny model's runner (pallas_gpu
+    backend) on one (T=32, S=4, context 128) step of padding, traced as a GPU would trace
+    it (the model picks compiled kernels, not the interpreter). make_step(model config,
+    layout, max_logprobs) gives the step, called (params, kv, state, buffers, bitmask), its
+    buffers packed from (inputs, sampling, rows, bitmask)."""
     from conftest import write_tiny_hf
 
     import ksana_jax
@@ -195,21 +197,32 @@ def test_engine_step_lowers_for_cuda_without_a_while_loop(tmp_path, monkeypatch)
         attention_backend="pallas_gpu",
     )
     step_runner = runner.ModelRunner(model, config)
-    buffers, layout = pack(step_runner.padding_inputs(32, 4, 128))
-    state = step_runner.state
-
-    def step(params, kv, state, buffers):
-        return runner.engine_step(
-            params, model.config, kv, state, buffers, layout, config.max_logprobs, "pallas_gpu"
-        )
-
+    inputs = step_runner.padding_inputs(32, 4, 128)
+    buffers, layout = pack(inputs)
+    step = make_step(model.config, layout, config.max_logprobs)
     kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), step_runner.kv)
-    # Traced as on a GPU: the model picks compiled kernels, not the interpreter.
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     exported = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=TRITON)(
-        model.params, kv, state, buffers
+        model.params, kv, step_runner.state, buffers, inputs[3]
     )
-    module = exported.mlir_module()
+    return exported.mlir_module()
+
+
+def test_engine_step_lowers_for_cuda_without_a_while_loop(tmp_path, monkeypatch):
+    """The whole jitted engine step (tiny model, pallas_gpu backend) lowered as a GPU would
+    trace it: Triton kernels for attention and the KV write, and no XLA while loop (on a GPU
+    every trip of one waits for the host)."""
+    from ksana_jax import runner
+
+    def make_step(cfg, layout, max_logprobs):
+        def step(params, kv, state, buffers, bitmask):
+            return runner.engine_step(
+                params, cfg, kv, state, buffers, layout, max_logprobs, "pallas_gpu"
+            )
+
+        return step
+
+    module = _lowered_for_cuda(tmp_path, monkeypatch, make_step)
     assert module.count(paged_attention_gpu.TRITON_CUSTOM_CALL) >= 2  # attention, KV write
     assert "stablehlo.while" not in module
 
@@ -218,48 +231,26 @@ def test_engine_step_lowers_for_cuda_without_a_while_loop(tmp_path, monkeypatch)
 def test_decode_step_programs_lower_for_cuda_without_a_conditional(plan, tmp_path, monkeypatch):
     """A step's forward and sampling programs as the runner dispatches them for rows that
     sample greedily or plainly (sampling.SamplerPlan), lowered for a GPU: no conditional,
-    which a GPU runs by copying its predicate to the host, so dispatching the program would
+    which XLA:GPU runs by copying its predicate to the host, so dispatching the program would
     wait for the work queued before it (an H200 measured the sampler's dispatch at the
     forward's 4.4 ms). The FULL plan (penalties, logprobs, masks) still skips work with
     conditionals, which this finds there."""
-    from conftest import write_tiny_hf
-
-    import ksana_jax
     from ksana_jax import runner
-    from ksana_jax.batch import pack
-    from ksana_jax.config import EngineConfig
     from ksana_jax.sampling import SamplerPlan
 
-    write_tiny_hf(tmp_path / "hf", eos_token_id=None)
-    model = ksana_jax.load(tmp_path / "hf")
-    config = EngineConfig(
-        max_model_len=128,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        token_buckets=(32,),
-        seq_buckets=(4,),
-        context_buckets=(128,),
-        attention_backend="pallas_gpu",
-    )
-    step_runner = runner.ModelRunner(model, config)
-    inputs, sampling, rows, bitmask = step_runner.padding_inputs(32, 4, 128)
-    buffers, layout = pack((inputs, sampling, rows))
+    def make_step(cfg, layout, max_logprobs):
+        def step(params, kv, state, buffers, bitmask):
+            forwarded, kv, state, _ = runner.forward_step(
+                params, cfg, kv, state, buffers, layout, max_logprobs, "pallas_gpu"
+            )
+            out, state = runner.sample_step(
+                forwarded, state, bitmask, max_logprobs, SamplerPlan(plan)
+            )
+            return out, kv, state
 
-    def step(params, kv, state, buffers, bitmask):
-        forwarded, kv, state, _ = runner.forward_step(
-            params, model.config, kv, state, buffers, layout, config.max_logprobs, "pallas_gpu"
-        )
-        out, state = runner.sample_step(
-            forwarded, state, bitmask, config.max_logprobs, SamplerPlan(plan)
-        )
-        return out, kv, state
+        return step
 
-    kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), step_runner.kv)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    exported = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=TRITON)(
-        model.params, kv, step_runner.state, buffers, bitmask
-    )
-    module = exported.mlir_module()
+    module = _lowered_for_cuda(tmp_path, monkeypatch, make_step)
     assert module.count(paged_attention_gpu.TRITON_CUSTOM_CALL) >= 2
     conditionals = re.findall(r"stablehlo\.(case|if|while)\b", module)
     assert (conditionals == []) == (plan != "full"), conditionals
