@@ -28,6 +28,7 @@ from ksana_jax.kv_cache import abstract_kv, kv_shardings
 from ksana_jax.model import Model, with_expert_parallel
 from ksana_jax.models import registry
 from ksana_jax.sharding import make_plan
+from ksana_jax.step_programs import engine_step, kv_pinned_engine_step, kv_row_major_format
 
 # A 32-row decode bucket over contexts up to 1024 tokens.
 DECODE_BUCKET = dict(
@@ -194,7 +195,7 @@ def lower_decode_step(
     pinned: bool = False,
     **config,
 ) -> tuple[jax.stages.Lowered, jax.ShapeDtypeStruct]:
-    """The engine step (`step`, runner.engine_step by default) with attention `backend`,
+    """The engine step (`step`, step_programs.engine_step by default) with attention `backend`,
     lowered for `platform` ("gpu", "tpu"); `config`: more EngineConfig fields. Returns it and
     the KV's shape.
 
@@ -203,7 +204,7 @@ def lower_decode_step(
     each parameter as the plan places it, the KV by heads (or on `kv_sharding`, a Format of
     the plan's KV sharding), the rest replicated, lowered with the plan's mesh active as the
     runner runs it (the MoE layer and the Pallas kernels run under shard_map over it).
-    `pinned`: the KV argument and result in row-major format (runner.kv_pinned_engine_step),
+    `pinned`: the KV argument and result in row-major format (step_programs.kv_pinned_engine_step),
     as the runner holds them on a TPU.
 
     The runner is built on this CPU for its shapes only (with the fewest pages: its KV is
@@ -228,8 +229,8 @@ def lower_decode_step(
         params = jax.tree.map(placed, model.params, plan.param_shardings(model.params))
         kv_sharding = kv_sharding or plan.kv_sharding(kv.pages.shape)
     if pinned:
-        kv_sharding = runner.kv_row_major_format(kv_sharding or sharding)
-        step = runner.kv_pinned_engine_step(kv_sharding)
+        kv_sharding = kv_row_major_format(kv_sharding or sharding)
+        step = kv_pinned_engine_step(kv_sharding)
     if kv_sharding is None:
         placed_kv = placed(kv, sharding)
     else:  # the pages' sharding or Format; the scales alike (kv_cache.kv_shardings)
@@ -238,7 +239,7 @@ def lower_decode_step(
     jax.default_backend = lambda: platform
     try:
         with mesh:
-            lowered = (step or runner.engine_step).lower(
+            lowered = (step or engine_step).lower(
                 params,
                 model.config,
                 placed_kv,

@@ -32,8 +32,8 @@ import vllm_peer
 
 from ksana_jax import LLM, SamplingParams
 from ksana_jax.demo import demo_checkpoint, demo_gguf_path
-from ksana_jax.runner import compile_count
 from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
+from ksana_jax.step_programs import compile_count
 
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:

@@ -25,9 +25,9 @@ from typing import Any
 
 from ksana_jax.engine import LLMEngine, _Group
 from ksana_jax.outputs import RequestOutput
-from ksana_jax.runner import compile_count
 from ksana_jax.sampling_params import SamplingParams
 from ksana_jax.step_metrics import StepTimer
+from ksana_jax.step_programs import compile_count
 from ksana_jax.tokenizer import Tokenizer
 
 

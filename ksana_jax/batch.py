@@ -10,7 +10,7 @@ apart from the other inputs: while the step's forward runs (runner.py). A step
 then gathers its rows with one index per array, so its host work is O(rows joined + pages
 gained + tokens scheduled), whatever the context lengths are.
 
-The device keeps its own per-slot state (runner.BatchState): each slot's last sampled token,
+The device keeps its own per-slot state (step_programs.BatchState): each slot's last sampled token,
 which a decode row reads when its token is still a placeholder (async scheduling); the
 penalty counts, updated in the step from the tokens it feeds; and the page table, [R,
 max_pages_per_seq], written by the pages each row gained since its last step (`PageWrites`,

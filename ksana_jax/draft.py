@@ -3,7 +3,7 @@
 The draft (`speculative_config={"model": PATH, ...}`, the target's vocabulary) has its own
 params and its own KV array with the target's shape in pages: the scheduler's page
 bookkeeping is shared, a request's page ids index both arrays, so prefix caching, preemption
-and freeing need nothing of their own. Inside the target's jitted step (runner._engine_step):
+and freeing need nothing of their own. Inside the target's jitted step (step_programs._forward):
 
 1. `propose`: a row the scheduler runs with k proposals arrives as its last token followed
    by k slots marked spec_decode.DRAFTED. k single-token draft decode steps (a fori_loop

@@ -3,7 +3,7 @@
 prompt logprobs.
 
 Penalties read per-row token counts (`PenaltyCounts`: which tokens the prompt holds, how
-often each was generated), kept on device in the persistent batch (runner.BatchState) and
+often each was generated), kept on device in the persistent batch (step_programs.BatchState) and
 updated from each step's fed tokens (`count_tokens`), so no step ships a token history.
 
 Every option is data (a per-row array), never structure, so a compiled step serves any mix
@@ -27,7 +27,7 @@ the batch (nor on the plan). Logprobs are those of the model's raw distribution
 Prompt logprobs (`score_prompt`) come from a fixed number Q of a step's prompt positions
 (EngineConfig.max_num_scored_tokens), gathered from the final hidden states: only they go
 through the LM head, in the smallest size of `scored_sizes(Q)` that holds those in use
-(static, chosen on the host: a program of its own per size, runner.score_step).
+(static, chosen on the host: a program of its own per size, step_programs.score_step).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The jitted forward step without sampling: a ragged batch in, logits of chosen tokens and
 the KV out. `Model.logits` and single-request `generate` use it; the engine's step is the
-runner's two programs (`runner.forward_step`, then `runner.sample_step`).
+runner's programs (step_programs.py).
 
 `cfg` is static (hashable config); the KV array is donated, so XLA writes the new K/V in
 place and the compiled step holds no second KV-sized buffer. Shapes come only from the

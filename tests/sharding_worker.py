@@ -166,8 +166,8 @@ def scenario_recompile(paths: list[str]) -> dict:
 
     import ksana_jax
     from ksana_jax import LLM
-    from ksana_jax.runner import compile_count
     from ksana_jax.sampling import scored_sizes
+    from ksana_jax.step_programs import compile_count
 
     compiles = record_compilations()
     model = ksana_jax.load(paths[0], tensor_parallel_size=4)

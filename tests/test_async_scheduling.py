@@ -14,7 +14,7 @@ from workloads import record_compilations, run_varied_workload
 
 import ksana_jax
 from ksana_jax import LLM, SamplingParams
-from ksana_jax.runner import compile_count
+from ksana_jax.step_programs import compile_count
 
 RNG = np.random.default_rng(23)
 PROMPTS = [[int(t) for t in RNG.integers(3, TINY_VOCAB, n)] for n in (1, 5, 17, 33, 64, 9)]

@@ -13,8 +13,9 @@ from workloads import record_compilations, run_varied_workload
 import ksana_jax
 from ksana_jax import LLM, SamplingParams
 from ksana_jax.pallas_kernels import linear_cpu
-from ksana_jax.runner import ModelRunner, compile_count
+from ksana_jax.runner import ModelRunner
 from ksana_jax.sampling_params import RequestOutputKind
+from ksana_jax.step_programs import compile_count
 
 # Gaps between the top two logits below this are float-noise ties: batch shape may flip them.
 TIE = 1e-4

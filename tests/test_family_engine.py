@@ -17,7 +17,7 @@ from workloads import record_compilations, run_varied_workload
 
 import ksana_jax
 from ksana_jax import LLM, SamplingParams
-from ksana_jax.runner import compile_count
+from ksana_jax.step_programs import compile_count
 
 STEPS = 10
 TIE = 1e-4  # top-2 logit gaps below this are float noise: a batch shape may flip the pick

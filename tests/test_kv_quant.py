@@ -28,7 +28,7 @@ from ksana_jax.kv_cache import (
 )
 from ksana_jax.pallas_kernels import BACKENDS, ragged_paged_attention_tpu, reference
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
-from ksana_jax.runner import compile_count
+from ksana_jax.step_programs import compile_count
 
 QUANTIZED = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 PAGE_SIZE, NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ = 8, 24, 4, 6

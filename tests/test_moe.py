@@ -29,7 +29,7 @@ from checkpoints_tools import ConversionError, read_source
 from ksana_jax import LLM, sharding
 from ksana_jax.config import MOE_MLP, ModelConfig
 from ksana_jax.models import moe
-from ksana_jax.runner import compile_count
+from ksana_jax.step_programs import compile_count
 
 E, D, F, T = 8, 32, 24, 12
 

@@ -212,13 +212,11 @@ def test_engine_step_lowers_for_cuda_without_a_while_loop(tmp_path, monkeypatch)
     """The whole jitted engine step (tiny model, pallas_gpu backend) lowered as a GPU would
     trace it: Triton kernels for attention and the KV write, and no XLA while loop (on a GPU
     every trip of one waits for the host)."""
-    from ksana_jax import runner
+    from ksana_jax.step_programs import engine_step
 
     def make_step(cfg, layout, max_logprobs):
         def step(params, kv, state, buffers, bitmask):
-            return runner.engine_step(
-                params, cfg, kv, state, buffers, layout, max_logprobs, "pallas_gpu"
-            )
+            return engine_step(params, cfg, kv, state, buffers, layout, max_logprobs, "pallas_gpu")
 
         return step
 
@@ -235,17 +233,15 @@ def test_decode_step_programs_lower_for_cuda_without_a_conditional(plan, tmp_pat
     wait for the work queued before it (an H200 measured the sampler's dispatch at the
     forward's 4.4 ms). The FULL plan (penalties, logprobs, masks) still skips work with
     conditionals, which this finds there."""
-    from ksana_jax import runner
     from ksana_jax.sampling import SamplerPlan
+    from ksana_jax.step_programs import forward_step, sample_step
 
     def make_step(cfg, layout, max_logprobs):
         def step(params, kv, state, buffers, bitmask):
-            forwarded, kv, state, _ = runner.forward_step(
+            forwarded, kv, state, _ = forward_step(
                 params, cfg, kv, state, buffers, layout, max_logprobs, "pallas_gpu"
             )
-            out, state = runner.sample_step(
-                forwarded, state, bitmask, max_logprobs, SamplerPlan(plan)
-            )
+            out, state = sample_step(forwarded, state, bitmask, max_logprobs, SamplerPlan(plan))
             return out, kv, state
 
         return step

@@ -14,7 +14,7 @@ from workloads import record_compilations, run_varied_workload
 
 import ksana_jax
 from ksana_jax import LLM, EngineConfig, SamplingParams, quant
-from ksana_jax.runner import compile_count
+from ksana_jax.step_programs import compile_count
 
 TOKENS = [int(t) for t in np.random.default_rng(0).integers(3, TINY_VOCAB, 40)]
 

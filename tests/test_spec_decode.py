@@ -18,8 +18,8 @@ import ksana_jax
 from ksana_jax import LLM, SamplingParams
 from ksana_jax.cli import build_parser
 from ksana_jax.config import EngineConfig
-from ksana_jax.runner import compile_count
 from ksana_jax.spec_decode import ngram_proposal
+from ksana_jax.step_programs import compile_count
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}  # fmt: skip

@@ -18,8 +18,8 @@ from workloads import record_compilations
 
 import ksana_jax
 from ksana_jax import LLM, SamplingParams, StructuredOutputsParams
-from ksana_jax.runner import compile_count
 from ksana_jax.sampling import apply_token_bitmask
+from ksana_jax.step_programs import compile_count
 from ksana_jax.structured import GrammarCompiler, fill_bitmasks
 
 MODEL_VOCAB = 320
