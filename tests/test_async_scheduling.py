@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import TINY_VOCAB, write_tiny_hf
-from test_sampling import np_penalties
+from sampling_oracle import np_penalties
 from workloads import record_compilations, run_varied_workload
 
 import ksana_jax

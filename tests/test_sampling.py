@@ -1,235 +1,39 @@
-"""The on-device sampler against numpy oracles written from the intended (vLLM / HF) semantics,
-and SamplingParams validation.
-
-Oracle conventions (float64 numpy, never the code under test):
-- penalties: repetition on every prompt + output token (logit / r if > 0 else logit * r), then
-  frequency and presence on output tokens only.
-- filters, in HF's warper order: temperature, top-k, top-p (on the distribution renormalized
-  over the top-k survivors, as both HF and vLLM do), min-p (relative to the max probability,
-  which no earlier filter removes, so its place in the order does not matter).
-- ties: a filter keeps every token whose value equals the boundary token's value (top-k's k-th
-  largest, top-p's last needed token, min-p's max), so the kept set never depends on token ids.
-"""
+"""The on-device sampler against the numpy oracles of sampling_oracle.py: penalties, filters,
+greedy, batch invariance, logprobs, banned ids, logit bias, prompt scoring and the host's
+sampler plans."""
 
 from __future__ import annotations
-
-import dataclasses
-import functools
-from collections import Counter
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from sampling_oracle import (
+    DEFAULTS,
+    DTYPES,
+    N_LOGPROBS,
+    M,
+    V,
+    filter_jit,
+    make_inputs,
+    np_allowed,
+    np_log_softmax,
+    np_penalties,
+    penalties_jit,
+    random_histories,
+    run,
+    take_rows,
+)
 
 from ksana_jax.sampling import (
-    PenaltyCounts,
     SamplerPlan,
-    SamplingInputs,
-    _filter,
-    apply_penalties,
-    count_tokens,
     plan_for,
-    sample,
     score_prompt,
     scored_size,
     scored_sizes,
 )
-from ksana_jax.sampling_params import MAX_LOGIT_BIAS, SamplingParams
-
-V = 16  # vocabulary of every sampler call here
-M = 12  # history length of every call (one compiled shape per batch size)
-N_LOGPROBS = 4
-
-sample_jit = jax.jit(functools.partial(sample, max_logprobs=N_LOGPROBS), static_argnames="plan")
-penalties_jit = jax.jit(apply_penalties)
-filter_jit = jax.jit(_filter)
-
-DEFAULTS = dict(
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    min_p=0.0,
-    repetition_penalty=1.0,
-    presence_penalty=0.0,
-    frequency_penalty=0.0,
-    seeds=0,
-    num_generated=0,
-    num_prompt_tokens=0,
-    num_logprobs=N_LOGPROBS,
-)
-DTYPES = dict(
-    temperature=np.float32,
-    top_k=np.int32,
-    top_p=np.float32,
-    min_p=np.float32,
-    repetition_penalty=np.float32,
-    presence_penalty=np.float32,
-    frequency_penalty=np.float32,
-    seeds=np.uint32,
-    num_generated=np.int32,
-    num_prompt_tokens=np.int32,
-    num_logprobs=np.int32,
-)
-
-
-class Rows(NamedTuple):
-    """A sampler call's per-row inputs: SamplingInputs and the rows' PenaltyCounts (row i at
-    slot i)."""
-
-    s: SamplingInputs
-    counts: PenaltyCounts
-
-    def replace(self, **fields) -> Rows:
-        return self._replace(s=dataclasses.replace(self.s, **fields))
-
-    def __getattr__(self, name):
-        return getattr(self.s, name)
-
-
-def counts_from_history(history, num_prompt, vocab=V) -> PenaltyCounts:
-    """The engine's penalty counts for rows of history (prompt then output, -1 padded), built
-    as the runner builds them: one count_tokens call over every known token."""
-    num_seqs = history.shape[0]
-    slots = np.repeat(np.arange(num_seqs), M)
-    is_output = (np.arange(M)[None, :] >= np.asarray(num_prompt)[:, None]).reshape(-1)
-    return count_tokens(
-        PenaltyCounts.zeros(num_seqs, vocab),
-        jnp.asarray(slots, jnp.int32),
-        jnp.asarray(history.reshape(-1)),
-        jnp.asarray(is_output),
-        jnp.asarray(np.arange(num_seqs), jnp.int32),
-    )
-
-
-def make_inputs(num_seqs: int, history=None, suppressed=None, vocab=V, bias=None, **fields) -> Rows:
-    """Rows with per-row fields (scalars broadcast); history -1 padded to M; bias: per row a
-    {token id: bias} dict (logit_bias)."""
-    arrays = {}
-    for name, default in DEFAULTS.items():
-        value = np.asarray(fields.pop(name, default))
-        if name == "seeds":
-            value = value.astype(np.uint64).astype(np.uint32)
-        arrays[name] = jnp.asarray(np.broadcast_to(value.astype(DTYPES[name]), (num_seqs,)))
-    assert not fields, fields
-    if history is None:
-        history = np.full((num_seqs, M), -1)
-    history = np.asarray(history, np.int32)
-    assert history.shape == (num_seqs, M)
-    suppressed = np.full((num_seqs, 4), -1, np.int32) if suppressed is None else suppressed
-    bias_ids = np.full((num_seqs, 4), -1, np.int32)
-    bias_values = np.zeros((num_seqs, 4), np.float32)
-    for row, entries in enumerate(bias or ()):
-        bias_ids[row, : len(entries)] = list(entries)
-        bias_values[row, : len(entries)] = list(entries.values())
-    s = SamplingInputs(
-        suppressed_ids=jnp.asarray(suppressed, jnp.int32),
-        slots=jnp.arange(num_seqs, dtype=jnp.int32),
-        bias_ids=jnp.asarray(bias_ids),
-        bias_values=jnp.asarray(bias_values),
-        token_bitmask=jnp.full((num_seqs, -(-vocab // 32)), -1, jnp.int32),
-        **arrays,
-    )
-    return Rows(s, counts_from_history(history, arrays["num_prompt_tokens"], vocab))
-
-
-def _renumber(rows: Rows) -> Rows:
-    return rows.replace(slots=jnp.arange(rows.s.slots.shape[0], dtype=jnp.int32))
-
-
-def take_rows(rows: Rows, index) -> Rows:
-    return _renumber(jax.tree.map(lambda x: x[np.asarray(index)], rows))
-
-
-def concat_inputs(parts: list[Rows]) -> Rows:
-    return _renumber(jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts))
-
-
-def run(logits, rows: Rows):
-    """The sampler under the plan the runner picks for `rows`; it must sample what the plan
-    that serves any rows (FULL) does."""
-    logits = jnp.asarray(logits, jnp.float32)
-    masked = bool(np.any(np.asarray(rows.s.token_bitmask) != -1))
-    plan = plan_for(rows.s, masked)
-    out = jax.tree.map(np.asarray, sample_jit(logits, rows.s, rows.counts, plan=plan))
-    if plan is not SamplerPlan.FULL:
-        full = sample_jit(logits, rows.s, rows.counts, plan=SamplerPlan.FULL)
-        np.testing.assert_array_equal(out.token_ids, np.asarray(full.token_ids))
-    return out
-
-
-# ----------------------------------------------------------------------------- numpy oracles
-
-
-def np_log_softmax(x):
-    x = np.asarray(x, np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
-def np_softmax(x):
-    return np.exp(np_log_softmax(x))
-
-
-def np_penalties(logits, history, num_prompt, rep, pres, freq):
-    out = np.array(logits, np.float64)
-    for i in range(out.shape[0]):
-        tokens = [int(t) for t in history[i] if t >= 0]
-        outputs = [int(t) for j, t in enumerate(history[i]) if t >= 0 and j >= num_prompt[i]]
-        for t in set(tokens):
-            out[i, t] = out[i, t] / rep[i] if out[i, t] > 0 else out[i, t] * rep[i]
-        for t, count in Counter(outputs).items():
-            out[i, t] -= freq[i] * count + pres[i]
-    return out
-
-
-def np_allowed(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
-    """(allowed mask, near_boundary) for one row; near_boundary flags float-ambiguous inputs."""
-    z = np.asarray(logits, np.float64) / temperature
-    keep = np.ones(z.shape, bool)
-    near = False
-    if top_k > 0:
-        kth = np.sort(z)[::-1][min(top_k, z.size) - 1]
-        gap = np.abs(z - kth)
-        near |= bool(np.any((gap > 0) & (gap < 1e-4)))
-        keep &= z >= kth
-    if top_p < 1.0:
-        zk = np.where(keep, z, -np.inf)
-        p = np_softmax(zk)
-        values = np.unique(zk[keep])[::-1]  # distinct kept values, descending
-        group_mass = np.cumsum([p[zk == v].sum() for v in values])
-        near |= bool(np.any(np.abs(group_mass - top_p) < 1e-4))
-        last = int(np.argmax(group_mass >= top_p))  # first group where the mass reaches top_p
-        keep &= zk >= values[last]
-    if min_p > 0.0:
-        p = np_softmax(z)
-        ratio = p / p.max()
-        near |= bool(np.any((ratio < 1) & (np.abs(ratio - min_p) < 1e-4)))
-        keep &= ratio >= min_p
-    return keep, near
-
-
-def np_probs(logits, temperature, **filters):
-    keep, near = np_allowed(logits, temperature, **filters)
-    assert not near, "test input too close to a filter boundary"
-    z = np.where(keep, np.asarray(logits, np.float64) / temperature, -np.inf)
-    return np_softmax(z)
-
 
 # ----------------------------------------------------------------------------- 1. penalties
-
-
-def random_histories(rng, num_seqs, token_range=V):
-    history = np.full((num_seqs, M), -1, np.int32)
-    num_prompt = np.zeros(num_seqs, np.int32)
-    for i in range(num_seqs):
-        n_prompt = int(rng.integers(0, M + 1))
-        n_out = int(rng.integers(0, M - n_prompt + 1))
-        hi = int(rng.integers(2, token_range + 1))  # small ranges force repeated tokens
-        history[i, : n_prompt + n_out] = rng.integers(0, hi, n_prompt + n_out)
-        num_prompt[i] = n_prompt
-    return history, num_prompt
 
 
 def test_apply_penalties_handcrafted():
@@ -368,121 +172,6 @@ def test_filter_min_p_zero_drops_nothing():
     assert np.isfinite(out).all(), np.isfinite(out).sum(axis=1)
 
 
-# ----------------------------------------------------------------------------- 2b. statistics
-
-DRAWS = 4000
-_rng = np.random.default_rng(1234)
-_BASE = np.sort(_rng.normal(size=V) * 1.3)[::-1].astype(np.float32)
-_PERMUTED = _rng.permutation(_BASE)  # the same values, not in id order
-_TIES = np.array([2.0, 2.0, 2.0, 1.0, 0.5, 0.3, 0.0, -0.5] * 2, np.float32)
-_TIES[8:] -= 2.0
-_HISTORY = np.array([1, 2, 3, 3, 0, 0, 0, 5, 1, -1, -1, -1])
-
-STAT_CONFIGS = {  # name: (logits, sampler settings)
-    "plain": (_BASE, dict()),
-    "plain_permuted": (_PERMUTED, dict()),
-    "temperature_0.5": (_BASE, dict(temperature=0.5)),
-    "temperature_2": (_PERMUTED, dict(temperature=2.0)),
-    "top_k_3": (_PERMUTED, dict(top_k=3)),
-    "top_p_0.6": (_PERMUTED, dict(top_p=0.6, temperature=2.0)),
-    "min_p_0.2": (_PERMUTED, dict(min_p=0.2, temperature=2.5)),
-    "top_k_5_min_p_0.3": (_PERMUTED, dict(top_k=5, min_p=0.3, temperature=2.0)),
-    "top_p_0.8_min_p_0.05": (_PERMUTED, dict(top_p=0.8, min_p=0.05, temperature=1.5)),
-    "top_k_4_top_p_0.75": (_BASE, dict(top_k=4, top_p=0.75, temperature=1.5)),
-    "top_k_6_top_p_0.6": (_PERMUTED, dict(top_k=6, top_p=0.6, temperature=2.5)),
-    "top_k_8_top_p_0.7": (_PERMUTED, dict(top_k=8, top_p=0.7, temperature=3.0)),
-    "top_k_1": (_PERMUTED, dict(top_k=1)),
-    "top_p_tiny": (_PERMUTED, dict(top_p=1e-6)),
-    "min_p_1": (_PERMUTED, dict(min_p=1.0)),
-    "ties_top_p_0.2": (_TIES, dict(top_p=0.2)),
-    "ties_top_k_2": (_TIES, dict(top_k=2)),
-    "penalties": (
-        _PERMUTED,
-        dict(
-            temperature=0.8,
-            top_k=10,
-            repetition_penalty=1.7,
-            frequency_penalty=0.4,
-            presence_penalty=0.3,
-            num_prompt_tokens=3,
-            history=_HISTORY,
-        ),
-    ),
-}
-
-
-def stat_oracle(logits, settings):
-    settings = DEFAULTS | settings
-    history = settings.get("history", np.full(M, -1))
-    penalized = np_penalties(
-        logits[None],
-        history[None],
-        [settings["num_prompt_tokens"]],
-        [settings["repetition_penalty"]],
-        [settings["presence_penalty"]],
-        [settings["frequency_penalty"]],
-    )[0]
-    filters = {k: settings[k] for k in ("top_k", "top_p", "min_p")}
-    return np_probs(penalized, settings["temperature"], **filters)
-
-
-@pytest.fixture(scope="module")
-def stat_draws():
-    """DRAWS samples per config, all configs in one call, every row its own seed and step."""
-    rng = np.random.default_rng(99)
-    parts, logits = [], []
-    for row_logits, settings in STAT_CONFIGS.values():
-        settings = dict(settings)
-        history = settings.pop("history", None)
-        if history is not None:
-            history = np.tile(history, (DRAWS, 1))
-        seeds = rng.choice(2**32, size=DRAWS, replace=False)
-        steps = rng.integers(0, 5000, DRAWS)
-        parts.append(make_inputs(DRAWS, history, seeds=seeds, num_generated=steps, **settings))
-        logits.append(np.tile(row_logits, (DRAWS, 1)))
-    out = run(np.concatenate(logits), concat_inputs(parts))
-    return dict(zip(STAT_CONFIGS, out.token_ids.reshape(len(STAT_CONFIGS), DRAWS), strict=True))
-
-
-@pytest.mark.parametrize("name", list(STAT_CONFIGS))
-def test_sampled_distribution_matches_oracle(stat_draws, name):
-    probs = stat_oracle(*STAT_CONFIGS[name])
-    tokens = stat_draws[name]
-    allowed = set(np.flatnonzero(probs > 0).tolist())
-    sampled = set(np.unique(tokens).tolist())
-    assert sampled <= allowed, f"sampled {sorted(sampled - allowed)} outside {sorted(allowed)}"
-    freq = np.bincount(tokens, minlength=V) / DRAWS
-    # One standard error is at most sqrt(0.25 / 4000) = 0.008.
-    assert np.abs(freq - probs).max() < 0.03, (np.round(freq, 3), np.round(probs, 3))
-    # Every token the oracle gives >= 1% shows up (expected count >= 40).
-    assert {int(t) for t in np.flatnonzero(probs >= 0.01)} <= sampled
-
-
-def test_stat_configs_exercise_what_they_claim():
-    """Guards the test inputs: only the deterministic configs are degenerate, and the
-    combined filters really differ from each filter alone."""
-    for name, config in STAT_CONFIGS.items():
-        num_allowed = np.count_nonzero(stat_oracle(*config))
-        assert num_allowed == 1 if name in ("top_k_1", "top_p_tiny", "min_p_1") else num_allowed > 1
-    assert np.count_nonzero(stat_oracle(*STAT_CONFIGS["top_k_5_min_p_0.3"])) < 5
-    for name in ("top_k_4_top_p_0.75", "top_k_6_top_p_0.6", "top_k_8_top_p_0.7"):
-        logits, settings = STAT_CONFIGS[name]
-        temperature = settings.get("temperature", 1.0)
-        k, p = settings["top_k"], settings["top_p"]
-        # top-p over the top-k survivors keeps fewer tokens than top-p over the whole
-        # vocabulary intersected with top-k, so these configs tell the two orders apart.
-        combined = np_allowed(logits, temperature, top_k=k, top_p=p)[0]
-        separate = np_allowed(logits, temperature, top_k=k)[0]
-        separate &= np_allowed(logits, temperature, top_p=p)[0]
-        assert combined.sum() < separate.sum(), name
-    probs = stat_oracle(*STAT_CONFIGS["ties_top_p_0.2"])
-    np.testing.assert_allclose(probs[:3], 1 / 3)
-    assert np.count_nonzero(probs) == 3
-    assert np.count_nonzero(stat_oracle(*STAT_CONFIGS["ties_top_k_2"])) == 3
-    plain = stat_oracle(*STAT_CONFIGS["plain_permuted"])
-    assert np.abs(stat_oracle(*STAT_CONFIGS["penalties"]) - plain).max() > 0.05
-
-
 # ----------------------------------------------------------------------------- 3. greedy
 
 
@@ -617,75 +306,6 @@ def test_logprobs_are_raw_log_softmax():
     assert out.top_ids.dtype == np.int32 and out.token_ids.dtype == np.int32
     # The penalties and temperature changed what was sampled, not the reported logprobs.
     assert not np.array_equal(out.token_ids, logits.argmax(axis=1))
-
-
-# ----------------------------------------------------------------------------- 6. params
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "field"),
-    [
-        (dict(n=0), "n"),
-        (dict(temperature=-0.1), "temperature"),
-        (dict(temperature=float("nan")), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.01), "top_p"),
-        (dict(top_p=float("nan")), "top_p"),
-        (dict(top_k=-2), "top_k"),
-        (dict(min_p=-0.01), "min_p"),
-        (dict(min_p=1.01), "min_p"),
-        (dict(repetition_penalty=0.0), "repetition_penalty"),
-        (dict(repetition_penalty=-1.0), "repetition_penalty"),
-        (dict(presence_penalty=-2.01), "presence_penalty"),
-        (dict(presence_penalty=2.01), "presence_penalty"),
-        (dict(frequency_penalty=-2.01), "frequency_penalty"),
-        (dict(frequency_penalty=2.01), "frequency_penalty"),
-        (dict(max_tokens=0), "max_tokens"),
-        (dict(min_tokens=-1), "min_tokens"),
-        (dict(min_tokens=5, max_tokens=4), "min_tokens"),
-        (dict(logprobs=-1), "logprobs"),
-        (dict(prompt_logprobs=-1), "prompt_logprobs"),
-        (dict(logit_bias={1: 100.5}), "logit_bias"),
-        (dict(logit_bias={1: -101}), "logit_bias"),
-        (dict(logit_bias={1: float("nan")}), "logit_bias"),
-        (dict(logit_bias={-1: 1.0}), "logit_bias"),
-        (dict(logit_bias={"x": 1.0}), "logit_bias"),
-        (dict(logit_bias=[1, 2]), "logit_bias"),
-        (dict(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}), "logit_bias"),
-        (dict(seed=-1), "seed"),
-        (dict(seed=2**32), "seed"),
-        (dict(stop=""), "stop"),
-        (dict(stop=["ok", ""]), "stop"),
-    ],
-)
-def test_sampling_params_rejects(kwargs, field):
-    with pytest.raises(ValueError, match=rf"\b{field}\b"):
-        SamplingParams(**kwargs)
-
-
-def test_sampling_params_accepts_edges():
-    for kwargs in [
-        dict(n=1, temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0),
-        dict(top_p=1e-9, top_k=0, min_p=1.0, repetition_penalty=1e-3),
-        dict(presence_penalty=-2, frequency_penalty=2, seed=0, logprobs=0),
-        dict(presence_penalty=2, frequency_penalty=-2, seed=2**32 - 1),
-        dict(max_tokens=None, min_tokens=100),
-        dict(max_tokens=4, min_tokens=4),
-        dict(prompt_logprobs=0, logit_bias={i: -100 for i in range(MAX_LOGIT_BIAS)}),
-    ]:
-        SamplingParams(**kwargs)
-    assert SamplingParams(temperature=0.0).greedy
-    assert not SamplingParams(temperature=0.5).greedy
-
-
-def test_sampling_params_stop_normalized():
-    assert SamplingParams(stop="###").stop == ("###",)
-    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
-    assert SamplingParams(stop=None).stop == ()
-    assert SamplingParams().stop == ()
-    assert SamplingParams(stop_token_ids=[3, np.int64(4)]).stop_token_ids == (3, 4)
-    # JSON gives logit_bias string keys
-    assert SamplingParams(logit_bias={"7": -100, 3: 5}).logit_bias == {7: -100.0, 3: 5.0}
 
 
 def test_suppressed_ids_are_never_sampled():
