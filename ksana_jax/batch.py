@@ -37,6 +37,7 @@ from ksana_jax.kv_cache import SINK_PAGE
 from ksana_jax.request import Request
 from ksana_jax.sampling import SamplingInputs
 from ksana_jax.scheduler import ScheduledChunk, has_penalty
+from ksana_jax.spec_decode import DRAFTED
 from ksana_jax.step_inputs import StepInputs
 from ksana_jax.structured import fill_bitmasks
 
@@ -90,7 +91,7 @@ def page_writes_width(num_tokens: int, num_seqs: int, page_size: int) -> int:
         "sample_offsets",
         "sample_has_draft",
     ],
-    meta_fields=["context_pages"],
+    meta_fields=["context_pages", "sampled_positions", "drafts"],
 )
 @dataclasses.dataclass(frozen=True)
 class RowInputs:
@@ -112,12 +113,25 @@ class RowInputs:
     sample_offsets: jax.Array  # i32[W]  j: it samples the row's j-th new token (padding: 0)
     sample_has_draft: jax.Array  # bool[W]  a proposal follows it (the next token slot)
     context_pages: int  # static: P, the page-table columns the step reads (its context bucket)
+    # static: the sampled positions the LM head and the sampler run over, the first of W:
+    # min(T, S), unless the step's proposals need more (`sampled_positions`)
+    sampled_positions: int
+    drafts: bool  # static: some row's proposals are a draft model's to fill in (draft.py)
 
 
 def sample_width(num_tokens: int, num_seqs: int, num_speculative: int) -> int:
     """W, the sampled positions of a (T, S) step: each row's last token plus up to k
     proposals' positions, never more than T."""
     return min(num_tokens, num_seqs * (1 + num_speculative))
+
+
+def sampled_positions(num_tokens: int, num_seqs: int, width: int, used: int) -> int:
+    """The sampled positions a (T, S) step of W runs the LM head and sampler over, `used` of
+    them in use: min(T, S) (no more than a step without proposals pays for) unless more are
+    in use, then all W. The host knows it, so the programs hold no conditional on it (a GPU
+    would copy the predicate to the host, waiting for the work queued before it)."""
+    base = min(num_tokens, num_seqs, width)
+    return width if used > base else base
 
 
 def suppressed_ids(params, eos_ids: Sequence[int]) -> list[int]:
@@ -327,6 +341,8 @@ class PersistentBatch:
             sample_offsets,
             has_draft,
             pages,
+            sampled_positions(num_tokens, num_seqs, num_positions, used),
+            used > n and any(c.draft_token_ids[:1] == (DRAFTED,) for c in chunks),
         )
         return inputs, self._sampling(sample_slots, num_generated), rows, before
 

@@ -9,8 +9,9 @@ and freeing need nothing of their own. Inside the target's jitted step (step_pro
    by k slots marked spec_decode.DRAFTED. k single-token draft decode steps (a fori_loop
    over all S rows, rows with fewer drafts masked onto the sink page) feed the last token,
    then each proposal, and write the draft's greedy choice into the next slot. They run
-   only if some row drafts (a lax.cond), and write the draft's K/V only at positions the
-   scheduler gave pages for (the chunk's).
+   only in a step where some row drafts (RowInputs.drafts, static: the host knows it, so
+   the step holds no conditional, nor a loop: the k steps are unrolled), and write the
+   draft's K/V only at positions the scheduler gave pages for (the chunk's).
 2. The target verifies the filled chunk as it verifies n-gram proposals.
 3. `catch_up`: the draft runs over the whole step's tokens (prefill chunks, decode rows,
    each verified chunk) on its own KV, so every token the target computes the draft
@@ -95,16 +96,8 @@ def propose(
         )
         return token_ids, token, kv
 
-    def run(carry):
-        token_ids, _, kv = jax.lax.fori_loop(0, num_speculative, decode, carry)
-        return token_ids, kv
-
-    token_ids, kv = jax.lax.cond(
-        jnp.any(num_drafts > 0),
-        run,
-        lambda carry: (carry[0], carry[2]),
-        (inputs.token_ids, inputs.token_ids[base], kv),
-    )
+    carry = (inputs.token_ids, inputs.token_ids[base], kv)
+    token_ids, _, kv = jax.lax.fori_loop(0, num_speculative, decode, carry, unroll=True)
     return dataclasses.replace(inputs, token_ids=token_ids), kv
 
 

@@ -5,11 +5,12 @@ of the global params and KV, and the step's collectives join them. So every proc
 run the same steps, with the same inputs, in the same order. Process 0 (the leader) owns the
 engine -- scheduler, page manager, tokenizer, HTTP server. Before each step's forward program
 (warm-up steps included) its runner sends the step's host inputs through a `StepChannel`: a
-header i32[4] = (STEP, T, S, P) and then the input arrays of that bucket shape, two
-`broadcast_one_to_all` collectives; before its sampling program (and its scoring program,
-if any) the header (SAMPLE, plan, scored size, 0) and the token bitmask: what to sample is
-the leader's decision (a sampling.SamplerPlan), which the followers take as sent.
-Page-table writes run before a step (runner.write_pages) go as (PAGES, D, 0, 0) and the writes.
+header i32[6] = (STEP, T, S, P, sampled positions, drafts: RowInputs' static fields) and then
+the input arrays of that bucket shape, two `broadcast_one_to_all` collectives; before its
+sampling program (and its scoring program, if any) the header (SAMPLE, plan, scored size, 0,
+0, 0) and the token bitmask: what to sample is the leader's decision (a
+sampling.SamplerPlan), which the followers take as sent. Page-table writes run before a step
+(runner.write_pages) go as (PAGES, D, 0, 0, 0, 0) and the writes.
 The other processes (followers) run `follow(runner)`, which receives each step and runs its
 programs, in the leader's order, until the leader sends the STOP header
 (`StepChannel.close`, also run at exit). A follower has nothing to serve: with
@@ -30,6 +31,7 @@ notices (its heartbeat timeout, 100 s by default) and ends them.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 from typing import Any, Protocol
 
 import jax
@@ -40,6 +42,16 @@ from ksana_jax.batch import PageWrites
 from ksana_jax.sampling import SamplerPlan
 
 STOP, STEP, PAGES, SAMPLE = 0, 1, 2, 3
+
+
+def _header(command: int, *fields: int) -> np.ndarray:
+    """A message's header: i32[6], the command and up to five fields (0 past those given)."""
+    header = np.zeros(6, np.int32)
+    header[0] = command
+    header[1 : 1 + len(fields)] = fields
+    return header
+
+
 PLANS = tuple(SamplerPlan)  # a plan travels as its index
 
 
@@ -80,15 +92,15 @@ class StepChannel:
         if self._closed:
             raise RuntimeError("the step channel is closed: the followers have stopped")
         num_seqs, pages = inputs.seq_lens.shape[0], rows.context_pages
-        header = np.array([STEP, inputs.token_ids.shape[0], num_seqs, pages], np.int32)
-        broadcast_one_to_all(header)
+        static = (rows.sampled_positions, rows.drafts)
+        broadcast_one_to_all(_header(STEP, inputs.token_ids.shape[0], num_seqs, pages, *static))
         broadcast_one_to_all((inputs, sampling, rows))
 
     def send_pages(self, writes: PageWrites) -> None:
         """Sends page-table writes the leader runs before its next step."""
         if self._closed:
             raise RuntimeError("the step channel is closed: the followers have stopped")
-        broadcast_one_to_all(np.array([PAGES, writes.slots.shape[0], 0, 0], np.int32))
+        broadcast_one_to_all(_header(PAGES, writes.slots.shape[0]))
         broadcast_one_to_all(writes)
 
     def send_sample(self, plan: SamplerPlan, scored_size: int, token_bitmask: np.ndarray) -> None:
@@ -96,14 +108,14 @@ class StepChannel:
         program (warm-up samples one step under several plans)."""
         if self._closed:
             raise RuntimeError("the step channel is closed: the followers have stopped")
-        broadcast_one_to_all(np.array([SAMPLE, PLANS.index(plan), scored_size, 0], np.int32))
+        broadcast_one_to_all(_header(SAMPLE, PLANS.index(plan), scored_size))
         broadcast_one_to_all(token_bitmask)
 
     def close(self) -> None:
         """Tells the followers to stop (idempotent)."""
         if not self._closed:
             self._closed = True
-            broadcast_one_to_all(np.array([STOP, 0, 0, 0], np.int32))
+            broadcast_one_to_all(_header(STOP))
 
 
 def leader_channel() -> StepChannel | None:
@@ -131,7 +143,7 @@ def follow(runner: _Runner) -> int:
     steps = 0
     forwarded = None  # the last step's forward outputs
     while True:
-        command, *shape = broadcast_one_to_all(np.zeros(4, np.int32)).tolist()
+        command, *shape = broadcast_one_to_all(_header(STOP)).tolist()
         if command == STOP:
             return steps
         # What arrives has the shapes and dtypes of padding: of the writes' width D, of the
@@ -140,14 +152,15 @@ def follow(runner: _Runner) -> int:
             writes = PageWrites.padding(shape[0], runner.batch.num_slots)
             runner.write_pages(broadcast_one_to_all(writes))
         elif command == SAMPLE:
-            plan, size, _ = shape
+            plan, size = shape[:2]
             token_bitmask = runner.batch.bitmasks([], forwarded.logits.shape[0])
             # (a scored size is its own: scored_size(size, Q) == size)
             runner.sample(forwarded, broadcast_one_to_all(token_bitmask), PLANS[plan], size)
         else:
-            num_tokens, num_seqs, pages = shape
-            *inputs, _ = runner.padding_inputs(
+            num_tokens, num_seqs, pages, sampled, drafts = shape
+            inputs, sampling, rows, _ = runner.padding_inputs(
                 num_tokens, num_seqs, pages * runner.config.page_size
             )
-            forwarded = runner.forward(*broadcast_one_to_all(tuple(inputs)))
+            rows = dataclasses.replace(rows, sampled_positions=sampled, drafts=bool(drafts))
+            forwarded = runner.forward(*broadcast_one_to_all((inputs, sampling, rows)))
             steps += 1

@@ -365,10 +365,10 @@ class ModelRunner:
         num_positions = sum(c.num_positions for c in chunks)
         logprobs = bool((sampling.num_logprobs[:num_positions] >= 0).any())
         num_scored = sum(c.num_scored for c in chunks)
-        drafted = drafting and any(c.draft_token_ids for c in chunks)
         forwarded = self.forward(inputs, sampling, rows)
         constrained = any(c.samples and c.request.matcher for c in chunks)
         sampler = plan_for(sampling, masked=False)
+        drafted = rows.drafts
         return Forwarding(
             forwarded, chunks, constrained, num_positions, logprobs, num_scored, drafted, sampler
         )
@@ -418,19 +418,36 @@ class ModelRunner:
         return [shape for shape in self.config.bucket_shapes() if shape[2] in self.context_buckets]
 
     def warm_up(self, progress: bool = True) -> int:
-        """Compiles (by running on padding only) every bucket shape, its sampler under each
-        SamplerPlan, and the scoring program at each scored size; returns the shapes."""
+        """Compiles (by running on padding only) every bucket shape under each of its static
+        row variants (`row_variants`), its sampler under each SamplerPlan, and the scoring
+        program at each scored size; returns the shapes."""
         shapes = self.bucket_shapes()
         for num_tokens, num_seqs, context in tqdm(
             shapes, desc="warm-up", unit="bucket", disable=not progress
         ):
-            forwarded = self.forward(*self.padding_inputs(num_tokens, num_seqs, context)[:3])
-            for sampler in SamplerPlan:
-                self.sample(forwarded, None, sampler)
+            inputs, sampling, rows, _ = self.padding_inputs(num_tokens, num_seqs, context)
+            for variant in self.row_variants(rows):
+                forwarded = self.forward(inputs, sampling, variant)
+                for sampler in SamplerPlan:
+                    self.sample(forwarded, None, sampler)
         for size in scored_sizes(self.config.max_num_scored_tokens):
             self.sample(forwarded, None, SamplerPlan.GREEDY, size)
         self.write_pages(PageWrites.padding(self.config.max_pages_per_seq, self.batch.num_slots))
         return len(shapes)
+
+    def row_variants(self, rows: RowInputs) -> list[RowInputs]:
+        """A bucket's padding RowInputs under each static variant its steps can take: with
+        proposals, the LM head and sampler over min(T, S) positions or all W (those in use,
+        batch.sampled_positions); with a draft model, a step where some row drafts runs the
+        draft (RowInputs.drafts), which then has proposals."""
+        width = rows.sample_token_slots.shape[0]
+        variants = [rows]
+        if self.draft is not None:
+            variants.append(dataclasses.replace(rows, drafts=True))
+        if width > rows.sampled_positions:
+            drafts = self.draft is not None  # a draft model's steps with proposals draft
+            variants.append(dataclasses.replace(rows, sampled_positions=width, drafts=drafts))
+        return variants
 
     def padding_inputs(
         self, num_tokens: int, num_seqs: int, context: int

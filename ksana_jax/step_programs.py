@@ -69,27 +69,11 @@ class BatchState:
 
 
 def _on_used_positions(rows: RowInputs, fn, *operands):
-    """fn(size, *operands) over the first `size` of the W sampled positions, padded back to W.
-    With proposals W exceeds min(T, S); a `lax.switch` on how many are in use then runs fn
-    on min(T, S) positions unless more are, so a step without proposals pays for no more
-    than before."""
-    num_tokens, num_seqs = rows.last_token_slots.shape[0], rows.reset_slots.shape[0]
-    width = rows.sample_token_slots.shape[0]
-
-    def branch(size: int):
-        def run(*operands):
-            out = fn(size, *operands)
-            return jax.tree.map(
-                lambda a: jnp.pad(a, [(0, width - size)] + [(0, 0)] * (a.ndim - 1)), out
-            )
-
-        return run
-
-    base = min(num_tokens, num_seqs)
-    if width <= base:
-        return branch(width)(*operands)
-    index = (jnp.sum(rows.sample_rows < num_seqs) > base).astype(jnp.int32)
-    return jax.lax.switch(index, [branch(base), branch(width)], *operands)
+    """fn(size, *operands) over the first `size` = RowInputs.sampled_positions of the W
+    sampled positions (static: the host knows how many are in use), padded back to W."""
+    width, size = rows.sample_token_slots.shape[0], rows.sampled_positions
+    out = fn(size, *operands)
+    return jax.tree.map(lambda a: jnp.pad(a, [(0, width - size)] + [(0, 0)] * (a.ndim - 1)), out)
 
 
 def _last_tokens(sampled: SampledTokens, next_tokens: jax.Array, rows: RowInputs) -> jax.Array:
@@ -153,9 +137,11 @@ def _forward(
     its rows gained into the device's page table and reads their first P pages from it,
     feeds placeholders their slot's last sampled token, runs the model, projects the
     sampled positions' logits and gathers the hidden states of the prompt positions
-    RowInputs scores. It branches on nothing (see sampling.py: a GPU would wait for the
-    work queued before it). With a draft model (draft.py) the draft first fills the
-    drafted slots, then computes the step's tokens on its own KV."""
+    RowInputs scores. It branches on nothing and loops on nothing (see sampling.py: a GPU
+    would wait for the work queued before it): what varies from step to step on the host's
+    knowledge is static in RowInputs. With a draft model (draft.py) the draft first fills
+    the drafted slots (in a step where some row drafts), then computes the step's tokens on
+    its own KV."""
     inputs, _, rows = unpack(buffers, layout)[:3]
     page_table = rows.page_writes.apply(state.page_table)
     fed = state.last_token.at[rows.last_token_slots].get(mode="fill", fill_value=-1)
@@ -165,9 +151,10 @@ def _forward(
         page_table=page_table[rows.row_slots, : rows.context_pages],
     )
     if draft_cfg is not None:
-        inputs, draft_kv = draft.propose(
-            draft_params, draft_cfg, draft_kv, inputs, rows, num_speculative, backend
-        )
+        if rows.drafts:
+            inputs, draft_kv = draft.propose(
+                draft_params, draft_cfg, draft_kv, inputs, rows, num_speculative, backend
+            )
         draft_kv = draft.catch_up(draft_params, draft_cfg, draft_kv, inputs, backend)
     hidden, kv = registry.forward(params, cfg, kv, inputs, backend)
     logits = _on_used_positions(

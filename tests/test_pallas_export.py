@@ -172,12 +172,14 @@ def test_layer_kv_write_lowers_with_the_kv_aliased(writer, platform):
     assert "tf.aliasing_output = 0" in module
 
 
-def _lowered_for_cuda(tmp_path, monkeypatch, make_step) -> str:
+def _lowered_for_cuda(tmp_path, monkeypatch, make_step, num_speculative: int = 0) -> str:
     """The MLIR module of a step exported for CUDA: the tiny model's runner (pallas_gpu
     backend) on one (T=32, S=4, context 128) step of padding, traced as a GPU would trace
     it (the model picks compiled kernels, not the interpreter). make_step(model config,
     layout, max_logprobs) gives the step, called (params, kv, state, buffers, bitmask), its
-    buffers packed from (inputs, sampling, rows, bitmask)."""
+    buffers packed from (inputs, sampling, rows, bitmask). With num_speculative, the model
+    is its own draft model proposing that many tokens, and the step's rows are the variant
+    where rows draft and all W sampled positions are in use (runner.row_variants)."""
     from conftest import write_tiny_hf
 
     import ksana_jax
@@ -195,9 +197,18 @@ def _lowered_for_cuda(tmp_path, monkeypatch, make_step) -> str:
         seq_buckets=(4,),
         context_buckets=(128,),
         attention_backend="pallas_gpu",
+        speculative_config=(
+            {"model": str(tmp_path / "hf"), "num_speculative_tokens": num_speculative}
+            if num_speculative
+            else None
+        ),
     )
-    step_runner = runner.ModelRunner(model, config)
+    step_runner = runner.ModelRunner(model, config, model if num_speculative else None)
     inputs = step_runner.padding_inputs(32, 4, 128)
+    if num_speculative:
+        rows = step_runner.row_variants(inputs[2])[-1]
+        assert rows.drafts and rows.sampled_positions == 4 * (1 + num_speculative), rows
+        inputs = (*inputs[:2], rows, inputs[3])
     buffers, layout = pack(inputs)
     step = make_step(model.config, layout, config.max_logprobs)
     kv = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), step_runner.kv)
@@ -250,3 +261,30 @@ def test_decode_step_programs_lower_for_cuda_without_a_conditional(plan, tmp_pat
     assert module.count(paged_attention_gpu.TRITON_CUSTOM_CALL) >= 2
     conditionals = re.findall(r"stablehlo\.(case|if|while)\b", module)
     assert (conditionals == []) == (plan != "full"), conditionals
+
+
+def test_speculative_step_programs_lower_for_cuda_without_a_conditional(tmp_path, monkeypatch):
+    """With a draft model proposing 2 tokens, the forward and sampling programs of a step
+    whose rows draft and use all W sampled positions, lowered for a GPU: no conditional and
+    no loop. The host knows whether some row drafts and how many positions are in use
+    (RowInputs' static fields), and the draft's k steps are unrolled; before, a lax.cond
+    around a while loop ran the draft and a lax.switch picked the positions."""
+    from ksana_jax.sampling import SamplerPlan
+    from ksana_jax.step_programs import forward_step, sample_step
+
+    def make_step(cfg, layout, max_logprobs):
+        def step(params, kv, state, buffers, bitmask):
+            draft_kv = jax.tree.map(jnp.zeros_like, kv)
+            forwarded, kv, state, draft_kv = forward_step(
+                params, cfg, kv, state, buffers, layout, max_logprobs, "pallas_gpu",
+                params, draft_kv, cfg, 2,
+            )  # fmt: skip
+            out, state = sample_step(forwarded, state, bitmask, max_logprobs, SamplerPlan.RANDOM)
+            return out, kv, state, draft_kv
+
+        return step
+
+    module = _lowered_for_cuda(tmp_path, monkeypatch, make_step, num_speculative=2)
+    # the target's and the draft's attention and KV writes
+    assert module.count(paged_attention_gpu.TRITON_CUSTOM_CALL) >= 4
+    assert re.findall(r"stablehlo\.(case|if|while)\b", module) == []
