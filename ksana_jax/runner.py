@@ -18,10 +18,11 @@ as SGLang's, and a third when it scores prompt positions:
 All only dispatch (JAX runs them asynchronously), so the engine fills the bitmask, and
 finishes the step before, while the forward runs. The host decides what the sampler and
 the scorer compute (a sampling.SamplerPlan and a scored size, both static), so the programs
-of a step whose rows sample greedily or plainly hold no conditional, which a GPU would run
-with a wait for the work queued before it. Every step is padded to a (T tokens, S
-sequences, context) bucket from EngineConfig; `warm_up` compiles all of them first (each
-sampler plan, each scored size), so a serving workload never compiles.
+of a step whose rows sample greedily or plainly (with or without logprobs) hold no
+conditional, which a GPU would run with a wait for the work queued before it. Every step is
+padded to a (T tokens, S sequences, context) bucket from EngineConfig; `warm_up` compiles
+all of them first (each sampler plan, each scored size), so a serving workload never
+compiles.
 
 The params and KV carry the model's ShardingPlan shardings and every step's inputs are
 replicated over its mesh, the same in warm-up and serving, so sharding never recompiles.

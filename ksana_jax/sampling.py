@@ -8,21 +8,22 @@ updated from each step's fed tokens (`count_tokens`), so no step ships a token h
 
 Every option is data (a per-row array), never structure, so a compiled step serves any mix
 of requests. Which passes the sampler runs is decided on the host, from the step's rows
-(`SamplerPlan`, a static argument: one compiled sampler per plan): a plain greedy batch
-(the common serving case) only takes the argmax, which reduces blocks of the vocabulary
-first (`_argmax`); a batch whose rows only sample (temperature, top-k/top-p/min-p, seeds)
-adds the filters and the noise; any other batch runs `SamplerPlan.FULL`, where work no row
-needs is skipped with `lax.cond` on the data: the vocabulary sort when every row is
-greedy, the penalty gathers when no row has a penalty, log-softmax and top-N when no row
-wants logprobs (on CPU these passes over [S, V] took ~45 ms of a 64-row SmolLM2 decode
-step). The two common plans branch on nothing: XLA:GPU runs a conditional it keeps by
-copying its predicate to the host, so dispatching a program that holds one waits for the
-work queued before it (measured on an H200: the sampler's dispatch took the forward's 4.4
-ms). A row's
-randomness is `fold_in(key(seed), num_generated)` and its noise is indexed by token id, so
-a request's tokens depend only on its seed and its own history, not on what else is in
-the batch (nor on the plan). Logprobs are those of the model's raw distribution
-(before logit bias, penalties and temperature), as vLLM returns them by default.
+(`SamplerPlan`, a static argument: one compiled sampler per plan): a plain greedy batch (the
+common serving case) only takes the argmax, which reduces blocks of the vocabulary first
+(`_argmax`); a batch whose rows only sample (temperature, top-k/top-p/min-p, seeds) adds the
+filters and the noise; either adds log-softmax and top-N when some row wants logprobs
+(lm-eval, OpenAI `logprobs`); any other batch (penalties, logit bias, banned ids, token
+masks) runs `SamplerPlan.FULL`, where work no row needs is skipped with `lax.cond` on the
+data: the vocabulary sort when every row is greedy, the penalty gathers when no row has a
+penalty, log-softmax and top-N when no row wants logprobs (on CPU these passes over [S, V]
+took ~45 ms of a 64-row SmolLM2 decode step). The plans but FULL branch on nothing: XLA:GPU
+runs a conditional it keeps by copying its predicate to the host, so dispatching a program
+that holds one waits for the work queued before it (measured on an H200: the sampler's
+dispatch took the forward's 4.4 ms). A row's randomness is `fold_in(key(seed),
+num_generated)` and its noise is indexed by token id, so a request's tokens depend only on
+its seed and its own history, not on what else is in the batch (nor on the plan). Logprobs
+are those of the model's raw distribution (before logit bias, penalties and temperature), as
+vLLM returns them by default.
 
 Prompt logprobs (`score_prompt`) come from a fixed number Q of a step's prompt positions
 (EngineConfig.max_num_scored_tokens), gathered from the final hidden states: only they go
@@ -257,7 +258,17 @@ class SamplerPlan(enum.Enum):
 
     GREEDY = "greedy"  # every row greedy with nothing else to do: the argmax
     RANDOM = "random"  # some row samples; none has a penalty, bias, ban, mask or logprobs
+    GREEDY_LOGPROBS = "greedy+logprobs"  # GREEDY, and some row wants logprobs
+    RANDOM_LOGPROBS = "random+logprobs"  # RANDOM, and some row wants logprobs
     FULL = "full"  # any options; work no row needs is skipped with lax.cond
+
+    @property
+    def greedy(self) -> bool:
+        return self in (SamplerPlan.GREEDY, SamplerPlan.GREEDY_LOGPROBS)
+
+    @property
+    def logprobs(self) -> bool:
+        return self in (SamplerPlan.GREEDY_LOGPROBS, SamplerPlan.RANDOM_LOGPROBS)
 
 
 def plan_for(s: SamplingInputs, masked: bool) -> SamplerPlan:
@@ -268,10 +279,12 @@ def plan_for(s: SamplingInputs, masked: bool) -> SamplerPlan:
         or np.any(penalties_active(s))
         or np.any(s.bias_ids >= 0)
         or np.any(s.suppressed_ids >= 0)
-        or np.any(s.num_logprobs >= 0)
     ):
         return SamplerPlan.FULL
-    return SamplerPlan.GREEDY if np.all(s.temperature == 0.0) else SamplerPlan.RANDOM
+    greedy = bool(np.all(s.temperature == 0.0))
+    if np.any(s.num_logprobs >= 0):
+        return SamplerPlan.GREEDY_LOGPROBS if greedy else SamplerPlan.RANDOM_LOGPROBS
+    return SamplerPlan.GREEDY if greedy else SamplerPlan.RANDOM
 
 
 def _no_logprobs(num_seqs: int, max_logprobs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -303,7 +316,9 @@ def sample(
     (including this step's fed tokens) at its slot."""
     if plan is SamplerPlan.FULL:
         return _sample_full(logits, s, counts, max_logprobs)
-    token_ids = _argmax(logits) if plan is SamplerPlan.GREEDY else _choose(logits, s)
+    token_ids = _argmax(logits) if plan.greedy else _choose(logits, s)
+    if plan.logprobs:
+        return SampledTokens(token_ids, *_logprobs(logits, token_ids, max_logprobs))
     return SampledTokens(token_ids, *_no_logprobs(logits.shape[0], max_logprobs))
 
 

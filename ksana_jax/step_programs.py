@@ -10,7 +10,7 @@ token, penalty counts and page table).
     write_pages_step  page-table writes that do not fit in a step         (BatchState donated)
     engine_step       forward, sample and score composed at their most, for the AOT tools
 
-The forward and the GREEDY / RANDOM samplers branch on no device data: XLA:GPU runs a
+The forward and the samplers but SamplerPlan.FULL branch on no device data: XLA:GPU runs a
 conditional it keeps by copying its predicate to the host, so dispatching a program that
 holds one would wait for the work queued before it. `cfg` and the pack layout are static;
 the KV array is donated, so XLA writes the new K/V in place and the compiled step holds no

@@ -143,15 +143,21 @@ def concat_inputs(parts: list[Rows]) -> Rows:
 
 
 def run(logits, rows: Rows):
-    """The sampler under the plan the runner picks for `rows`; it must sample what the plan
-    that serves any rows (FULL) does."""
+    """The sampler under the plan the runner picks for `rows`; it must sample (and, with
+    logprobs, report) what the plan that serves any rows (FULL) does."""
     logits = jnp.asarray(logits, jnp.float32)
     masked = bool(np.any(np.asarray(rows.s.token_bitmask) != -1))
     plan = plan_for(rows.s, masked)
     out = jax.tree.map(np.asarray, sample_jit(logits, rows.s, rows.counts, plan=plan))
     if plan is not SamplerPlan.FULL:
-        full = sample_jit(logits, rows.s, rows.counts, plan=SamplerPlan.FULL)
-        np.testing.assert_array_equal(out.token_ids, np.asarray(full.token_ids))
+        full = jax.tree.map(
+            np.asarray, sample_jit(logits, rows.s, rows.counts, plan=SamplerPlan.FULL)
+        )
+        np.testing.assert_array_equal(out.token_ids, full.token_ids)
+        if plan.logprobs:
+            np.testing.assert_array_equal(out.top_ids, full.top_ids)
+            np.testing.assert_allclose(out.logprobs, full.logprobs, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(out.top_logprobs, full.top_logprobs, rtol=1e-6, atol=1e-6)
     return out
 
 

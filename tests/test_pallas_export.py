@@ -236,14 +236,14 @@ def test_engine_step_lowers_for_cuda_without_a_while_loop(tmp_path, monkeypatch)
     assert "stablehlo.while" not in module
 
 
-@pytest.mark.parametrize("plan", ["greedy", "random", "full"])
+@pytest.mark.parametrize("plan", ["greedy", "random", "greedy+logprobs", "random+logprobs", "full"])
 def test_decode_step_programs_lower_for_cuda_without_a_conditional(plan, tmp_path, monkeypatch):
     """A step's forward and sampling programs as the runner dispatches them for rows that
-    sample greedily or plainly (sampling.SamplerPlan), lowered for a GPU: no conditional,
-    which XLA:GPU runs by copying its predicate to the host, so dispatching the program would
-    wait for the work queued before it (an H200 measured the sampler's dispatch at the
-    forward's 4.4 ms). The FULL plan (penalties, logprobs, masks) still skips work with
-    conditionals, which this finds there."""
+    sample greedily or plainly, with or without logprobs (sampling.SamplerPlan), lowered for
+    a GPU: no conditional, which XLA:GPU runs by copying its predicate to the host, so
+    dispatching the program would wait for the work queued before it (an H200 measured the
+    sampler's dispatch at the forward's 4.4 ms). The FULL plan (penalties, bias, banned ids,
+    masks) still skips work with conditionals, which this finds there."""
     from ksana_jax.sampling import SamplerPlan
     from ksana_jax.step_programs import forward_step, sample_step
 

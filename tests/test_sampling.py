@@ -395,7 +395,9 @@ def test_plain_greedy_is_the_first_argmax(vocab):
     [
         (dict(temperature=0.0, num_logprobs=-1), SamplerPlan.GREEDY),
         (dict(temperature=[0.0, 0.7, 0.0], top_k=3, num_logprobs=-1), SamplerPlan.RANDOM),
-        (dict(temperature=0.0, num_logprobs=0), SamplerPlan.FULL),
+        (dict(temperature=0.0, num_logprobs=0), SamplerPlan.GREEDY_LOGPROBS),
+        (dict(temperature=[0.0, 0.7, 0.0], num_logprobs=[-1, -1, 2]), SamplerPlan.RANDOM_LOGPROBS),
+        (dict(temperature=0.0, num_logprobs=[-1, 0, -1], min_p=0.1), SamplerPlan.GREEDY_LOGPROBS),
         (dict(temperature=0.0, num_logprobs=-1, presence_penalty=[0, 0, 0.5]), SamplerPlan.FULL),
         (dict(temperature=0.7, num_logprobs=-1, repetition_penalty=1.1), SamplerPlan.FULL),
         (dict(temperature=0.0, num_logprobs=-1, bias=[{}, {3: 1.0}, {}]), SamplerPlan.FULL),
@@ -407,7 +409,8 @@ def test_plain_greedy_is_the_first_argmax(vocab):
 )
 def test_plan_is_the_least_the_rows_need(fields, plan):
     """The host's plan: argmax alone for plain greedy rows, filters and noise for rows that
-    only sample, the full sampler for anything else (and for any token mask)."""
+    only sample, either with logprobs when some row wants them, the full sampler for anything
+    else (and for any token mask)."""
     fields = dict(fields)
     if "suppressed" in fields:
         fields["suppressed"] = np.array(fields["suppressed"], np.int32)
