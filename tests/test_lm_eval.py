@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import write_tiny_hf
-from tests.test_server import start_server, stop_server
+from tests.servers import start_server, stop_server
 
 MODEL = "tiny"
 FLAGS = ["--served-model-name", MODEL, "--max-model-len=64", "--max-num-seqs=8"]

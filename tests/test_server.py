@@ -1,8 +1,10 @@
-"""The HTTP server as clients see it: a real `ksana-jax serve` process on 127.0.0.1, driven by
-the official `openai` client, raw httpx for bad input and disconnects, and schemathesis.
+"""The HTTP server as clients see it, on the happy path and under load: the shared tiny
+`ksana-jax serve` process on 127.0.0.1 (conftest's `openai_server`), driven by the official
+`openai` client and raw httpx for disconnects; and the real SmolLM2 through its own server.
 
 The model is a tiny random-weight Llama (word-level tokenizer, so texts are `w12 w40 ...`);
 expected texts come from `LLM.generate` on the same checkpoint and engine configuration.
+Bad input and faults: test_server_errors.py.
 """
 
 from __future__ import annotations
@@ -11,136 +13,43 @@ import asyncio
 import collections
 import json
 import os
-import re
 import socket
 import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from ksana_jax import LLM, SamplingParams
-from tests.conftest import write_tiny_hf
-from tests.servers import free_port, wait_healthy
+from tests.servers import (
+    API_KEY,
+    ENGINE_FLAGS,
+    MODEL_NAME,
+    OK,
+    metric,
+    post,
+    server_log,
+    start_server,
+    stop_server,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-API_KEY = "test-key"
-MODEL_NAME = "tiny"
-ENGINE_FLAGS = {
-    "max_model_len": 128,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 64,
-    "max_logprobs": 5,
-}
-MAX_PENDING = 80
 PROMPTS = ["w5 w6 w7", "w100 w3", "w42 w43 w44 w45 w46 w47 w48 w49 w50", "w9"]
 
 
-def jax_cache_dir() -> str:
-    """The persistent compilation cache of the servers (and processes) tests start."""
-    return os.environ.get("KSANA_TEST_JAX_CACHE", str(Path.home() / ".cache/ksana-jax/jax"))
-
-
-def start_server(
-    model: Path | str, *args: str, timeout: float = 600
-) -> tuple[subprocess.Popen, str]:
-    """Starts `ksana-jax serve` and waits for /health to turn 200."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "ksana_jax.cli", "serve", str(model), "--port", str(port)]
-    cmd += ["--compilation-cache-dir", jax_cache_dir(), "--log-level", "warning", *args]
-    # The log goes to a file, so that a test can read it while the server runs.
-    log_file = tempfile.NamedTemporaryFile(prefix="ksana-serve-", suffix=".log")  # noqa: SIM115 (stop_server closes it)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-    proc.log_file = log_file
-    url = f"http://127.0.0.1:{port}"
-
-    def log() -> str:
-        proc.kill()
-        proc.wait()
-        return server_log(proc)
-
-    wait_healthy(url, proc, timeout, log, interval=0.2)
-    return proc, url
-
-
-def server_log(proc: subprocess.Popen) -> str:
-    """What a server started by `start_server` has printed so far."""
-    return Path(proc.log_file.name).read_bytes().decode()
-
-
-def stop_server(proc: subprocess.Popen) -> str:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log = server_log(proc)
-    proc.log_file.close()
-    return log
+@pytest.fixture(scope="module")
+def llm(openai_server_dir):
+    return LLM(openai_server_dir, **ENGINE_FLAGS)
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-server")
-    write_tiny_hf(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def server_process(tiny_dir):
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
-    proc, url = start_server(
-        tiny_dir,
-        *flags,
-        "--api-key",
-        API_KEY,
-        "--served-model-name",
-        MODEL_NAME,
-        "--max-pending-requests",
-        str(MAX_PENDING),
-    )
-    yield proc, url
-    log = stop_server(proc)
-    assert "Traceback" not in log, log
-
-
-@pytest.fixture(scope="module")
-def server(server_process):
-    return server_process[1]
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_dir):
-    return LLM(tiny_dir, **ENGINE_FLAGS)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+def client(openai_server):
+    return openai.OpenAI(base_url=f"{openai_server}/v1", api_key=API_KEY, max_retries=0)
 
 
 def greedy(llm, prompts, max_tokens=12, **kw):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def post(url: str, path: str, body, headers=None, **kw) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {API_KEY}"} | (headers or {})
-    content = body if isinstance(body, bytes | str) else json.dumps(body)
-    headers.setdefault("Content-Type", "application/json")
-    return httpx.post(f"{url}{path}", content=content, headers=headers, timeout=60, **kw)
-
-
-def metric(url: str, name: str, labels: str = "") -> float:
-    text = httpx.get(f"{url}/metrics").text
-    match = re.search(rf"^{name}{re.escape(labels)} (\S+)$", text, re.M)
-    assert match, f"{name}{labels} missing from /metrics"
-    return float(match.group(1))
 
 
 # ---------------------------------------------------------------------------- the happy path
@@ -337,11 +246,11 @@ def test_streamed_chat_equals_whole_with_n_and_logprobs(client):
     assert chunks[-1].usage == whole.usage
 
 
-def test_models_health_and_metrics(client, server):
+def test_models_health_and_metrics(client, openai_server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
-    assert httpx.get(f"{server}/health").status_code == 200
-    text = httpx.get(f"{server}/metrics").text
+    assert httpx.get(f"{openai_server}/health").status_code == 200
+    text = httpx.get(f"{openai_server}/metrics").text
     for name in (
         "ksana_num_requests_running",
         "ksana_num_requests_waiting",
@@ -357,14 +266,14 @@ def test_models_health_and_metrics(client, server):
         "ksana_compilations_total",
     ):
         assert name in text, name
-    schema = httpx.get(f"{server}/schema/openapi.json").json()
+    schema = httpx.get(f"{openai_server}/schema/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions"} <= set(schema["paths"])
 
 
-def test_startup_log_says_the_plan_and_prints_a_curl_line_that_works(server_process):
+def test_startup_log_says_the_plan_and_prints_a_curl_line_that_works(openai_server_process):
     """The log names the mesh and attention backend, and its ready line, pasted into a shell
     with $KSANA_API_KEY set, completes; the key itself is never printed."""
-    proc, url = server_process
+    proc, url = openai_server_process
     deadline = time.monotonic() + 30  # printed once warm-up ends, about when /health turns 200
     while "curl " not in (log := server_log(proc)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -388,10 +297,10 @@ def test_startup_log_says_the_plan_and_prints_a_curl_line_that_works(server_proc
 # ---------------------------------------------------------------------------- under load
 
 
-def test_64_concurrent_streams_all_correct(server, llm):
+def test_64_concurrent_streams_all_correct(openai_server, llm):
     prompts = [f"w{3 + i % 50} w{60 + i % 37} w{100 + i % 13}" for i in range(64)]
     want = [o.text for o in greedy(llm, prompts, max_tokens=10)]
-    compilations = metric(server, "ksana_compilations_total")
+    compilations = metric(openai_server, "ksana_compilations_total")
 
     async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
         stream = await client.completions.create(
@@ -401,18 +310,18 @@ def test_64_concurrent_streams_all_correct(server, llm):
 
     async def main() -> list[str]:
         async with openai.AsyncOpenAI(
-            base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=300
+            base_url=f"{openai_server}/v1", api_key=API_KEY, max_retries=0, timeout=300
         ) as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
     assert asyncio.run(main()) == want
-    assert metric(server, "ksana_compilations_total") == compilations
+    assert metric(openai_server, "ksana_compilations_total") == compilations
 
 
-def test_a_client_that_leaves_mid_body_is_no_server_error(server_process):
+def test_a_client_that_leaves_mid_body_is_no_server_error(openai_server_process):
     """A request whose client closes the connection before its body is all sent: nothing is
     queued and the log has no error (it logged "HTTP 500" at ERROR)."""
-    proc, url = server_process
+    proc, url = openai_server_process
     port = int(url.rsplit(":", 1)[1])
     body = json.dumps(OK).encode()
     head = (
@@ -432,9 +341,9 @@ def test_a_client_that_leaves_mid_body_is_no_server_error(server_process):
     )
 
 
-def test_disconnects_abort_and_free_pages(server):
-    idle = metric(server, "ksana_kv_cache_usage_ratio")
-    generated = metric(server, "ksana_generation_tokens_total")
+def test_disconnects_abort_and_free_pages(openai_server):
+    idle = metric(openai_server, "ksana_kv_cache_usage_ratio")
+    generated = metric(openai_server, "ksana_generation_tokens_total")
     body = {"model": MODEL_NAME, "prompt": "w5 w6", "max_tokens": 100, "stream": True}
     body["ignore_eos"] = True
     aborted = 0
@@ -443,7 +352,7 @@ def test_disconnects_abort_and_free_pages(server):
         nonlocal aborted
         headers = {"Authorization": f"Bearer {API_KEY}"}
         async with client.stream(
-            "POST", f"{server}/v1/completions", json=body | {"seed": i}, headers=headers
+            "POST", f"{openai_server}/v1/completions", json=body | {"seed": i}, headers=headers
         ) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
@@ -460,292 +369,15 @@ def test_disconnects_abort_and_free_pages(server):
     assert aborted == 50
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        running = metric(server, "ksana_num_requests_running")
-        waiting = metric(server, "ksana_num_requests_waiting")
-        usage = metric(server, "ksana_kv_cache_usage_ratio")
+        running = metric(openai_server, "ksana_num_requests_running")
+        waiting = metric(openai_server, "ksana_num_requests_waiting")
+        usage = metric(openai_server, "ksana_kv_cache_usage_ratio")
         if running == waiting == 0 and usage == idle:
             break
         time.sleep(0.2)
     assert (running, waiting, usage) == (0, 0, idle)
     # Nowhere near 50 x 100 tokens were generated: the requests really stopped.
-    assert metric(server, "ksana_generation_tokens_total") - generated < 50 * 100 / 2
-
-
-# ---------------------------------------------------------------------------- bad input
-
-OK = {"model": MODEL_NAME, "prompt": "w5 w6", "max_tokens": 4}
-CHAT_OK = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 4}
-
-
-@pytest.mark.parametrize(
-    "path, body, param",
-    [
-        ("/v1/completions", OK | {"temperature": -0.5}, "temperature"),
-        ("/v1/completions", OK | {"temperature": "hot"}, "temperature"),
-        ("/v1/completions", OK | {"top_p": 0}, "top_p"),
-        ("/v1/completions", OK | {"top_p": 1.5}, "top_p"),
-        ("/v1/completions", OK | {"max_tokens": 0}, "max_tokens"),
-        ("/v1/completions", OK | {"n": 0}, "n"),
-        ("/v1/completions", OK | {"logprobs": 6}, "logprobs"),
-        ("/v1/completions", OK | {"min_tokens": 5}, "min_tokens"),
-        ("/v1/completions", OK | {"logit_bias": {"5": 101}}, "logit_bias"),
-        ("/v1/completions", OK | {"logit_bias": {"999999": 1}}, "logit_bias"),
-        ("/v1/chat/completions", CHAT_OK | {"logit_bias": {"-1": 1}}, "logit_bias"),
-        ("/v1/completions", OK | {"best_of": 2}, "best_of"),
-        ("/v1/completions", OK | {"stop_token_ids": [2**40]}, "stop_token_ids"),
-        ("/v1/completions", OK | {"frobnicate": 1}, "frobnicate"),
-        ("/v1/completions", {"model": MODEL_NAME}, "prompt"),
-        ("/v1/completions", OK | {"prompt": [5, "w5"]}, "prompt"),
-        ("/v1/completions", OK | {"prompt": [[5, 6], [99999]]}, "prompt"),
-        ("/v1/completions", OK | {"prompt": []}, "prompt"),
-        ("/v1/chat/completions", CHAT_OK | {"tools": [{"type": "function"}]}, "tools[0].function"),
-        ("/v1/completions", OK | {"tools": []}, "tools"),  # chat only
-        ("/v1/chat/completions", CHAT_OK | {"messages": []}, "messages"),
-        ("/v1/chat/completions", CHAT_OK | {"messages": [{"role": "x", "content": "a"}]}, None),
-        ("/v1/chat/completions", CHAT_OK | {"top_logprobs": 2}, "top_logprobs"),
-        ("/v1/chat/completions", CHAT_OK | {"logprobs": True, "top_logprobs": 9}, "top_logprobs"),
-        ("/v1/chat/completions", CHAT_OK | {"max_completion_tokens": 500}, "max_completion_tokens"),
-        ("/v1/chat/completions", CHAT_OK | {"max_tokens": 500}, "max_tokens"),
-        ("/v1/completions", OK | {"logit_bias": {"5": "x"}}, "logit_bias"),
-        ("/v1/completions", OK | {"stop": ["a", 5]}, "stop"),
-        ("/v1/completions", b"", None),
-    ],
-)
-def test_bad_request_is_400_naming_the_field(server, path, body, param):
-    response = post(server, path, body)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-        assert param in error["message"]
-
-
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_logit_bias_forces_and_bans_tokens(server, path):
-    """OpenAI's logit_bias on both routes: +100 makes a token the greedy choice, -100 bans
-    the token greedy decoding picked without it."""
-    base = (OK if path == "/v1/completions" else CHAT_OK) | {"temperature": 0, "ignore_eos": True}
-
-    def words(bias):
-        response = post(server, path, base | {"logit_bias": bias})
-        assert response.status_code == 200, response.text
-        choice = response.json()["choices"][0]
-        return (choice.get("text") or choice["message"]["content"]).split()
-
-    plain = words({})
-    assert words({"9": 100}) == ["w9"] * 4 != plain
-    banned = int(plain[0].removeprefix("w"))
-    assert words({str(banned): -100})[0] != plain[0]
-
-
-def test_null_means_the_default(server):
-    """OpenAI's nullable fields sent as null (as LiteLLM and LangChain do) act as absent."""
-    nullable = ["temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty"]
-    nullable += ["top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "echo"]
-    body = OK | {"seed": 7, "max_tokens": 6, "stream_options": {"include_usage": None}}
-    want = post(server, "/v1/completions", body)
-    got = post(server, "/v1/completions", body | dict.fromkeys(nullable))
-    assert want.status_code == got.status_code == 200, got.text
-    assert got.json()["choices"] == want.json()["choices"]
-    chat = CHAT_OK | {"seed": 7}
-    want = post(server, "/v1/chat/completions", chat)
-    nulls = dict.fromkeys(["logprobs", "add_generation_prompt", "temperature", "n"])
-    got = post(server, "/v1/chat/completions", chat | nulls)
-    assert want.status_code == got.status_code == 200, got.text
-    assert got.json()["choices"] == want.json()["choices"]
-
-
-def test_chat_takes_vllms_template_fields(server):
-    """continue_final_message (with add_generation_prompt false) prompts with the template
-    /tokenize renders for the same fields; both true is a 400 naming the field."""
-    messages = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6 w7"}]
-    fields = {"add_generation_prompt": False, "continue_final_message": True}
-    body = CHAT_OK | {"messages": messages, "max_tokens": 1} | fields
-    got = post(server, "/v1/chat/completions", body)
-    assert got.status_code == 200, got.text
-    tokens = post(server, "/tokenize", {"messages": messages} | fields)
-    assert got.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
-    both = post(server, "/v1/chat/completions", body | {"add_generation_prompt": True})
-    assert both.status_code == 400, both.text
-    assert both.json()["error"]["param"] == "continue_final_message"
-
-
-def test_other_errors(server):
-    too_long = post(server, "/v1/completions", OK | {"max_tokens": 127})
-    assert too_long.status_code == 400
-    assert "127" in too_long.json()["error"]["message"]
-    assert "128" in too_long.json()["error"]["message"]  # max_model_len
-
-    malformed = post(server, "/v1/completions", b'{"prompt": "w5",')
-    assert malformed.status_code == 400 and malformed.json()["error"]["message"]
-    empty = post(server, "/v1/completions", b"")
-    assert empty.status_code == 400 and "empty" in empty.json()["error"]["message"]
-
-    unknown = post(server, "/v1/completions", OK | {"model": "gpt-4"})
-    assert unknown.status_code == 404
-    assert unknown.json()["error"]["code"] == "model_not_found"
-
-    for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}):
-        denied = post(server, "/v1/completions", OK, headers=headers)
-        assert (
-            denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
-        )
-    assert httpx.get(f"{server}/v1/models").status_code == 401
-
-    # More sequences than the server ever runs at once: the request's own fault (400).
-    for too_many in ({"prompt": ["w5"] * (MAX_PENDING + 1)}, {"n": MAX_PENDING + 1}):
-        refused = post(server, "/v1/completions", OK | too_many)
-        assert refused.status_code == 400, refused.text
-        assert str(MAX_PENDING) in refused.json()["error"]["message"]
-        assert refused.json()["error"]["param"] == ("n" if "n" in too_many else "prompt")
-
-    huge = post(server, "/v1/completions", OK | {"prompt": "w5 " * 2_000_000})
-    assert huge.status_code == 413 and huge.json()["error"]["message"]
-
-    # top_k beyond the vocabulary (and beyond int32) means every token.
-    assert post(server, "/v1/completions", OK | {"top_k": 2272561036178}).status_code == 200
-
-    # ... and the server still serves.
-    assert post(server, "/v1/completions", OK).status_code == 200
-
-
-def test_fuzzed_requests_never_5xx(server):
-    """schemathesis generates bodies from the OpenAPI schema, valid ones and invalid ones:
-    none may get a 5xx, and some of each kind are served and rejected."""
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
-
-    raw = httpx.get(f"{server}/schema/openapi.json").json()
-    for component in raw["components"]["schemas"].values():
-        if component.get("type") == "object":  # the server rejects unknown fields
-            component["additionalProperties"] = False
-    schema = schemathesis.openapi.from_dict(raw)
-    auth = {"Authorization": f"Bearer {API_KEY}"}
-    failures, statuses = [], collections.Counter()
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
-        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-
-            @settings(
-                max_examples=25,
-                deadline=None,
-                database=None,
-                suppress_health_check=list(HealthCheck),
-            )
-            @given(case=schema[path]["POST"].as_strategy(generation_mode=mode))
-            def fuzz(case):
-                response = case.call(base_url=server, headers=auth, timeout=120)
-                statuses[response.status_code] += 1
-                if response.status_code >= 500:
-                    failures.append((case.body, response.status_code, response.text))
-
-            fuzz()
-    assert not failures, failures[:3]
-    assert statuses[200] and statuses[400], statuses
-    assert httpx.get(f"{server}/health").status_code == 200
-
-
-# ---------------------------------------------------------------------------- in-process
-
-
-@pytest.fixture()
-def inprocess(tiny_dir):
-    """The app over an engine in this process (for fault injection), via Litestar's client."""
-    from litestar.testing import TestClient
-
-    from ksana_jax import EngineConfig, load
-    from ksana_jax.async_engine import AsyncEngine
-    from ksana_jax.engine import LLMEngine
-    from server import create_app
-
-    engine = AsyncEngine(LLMEngine(load(tiny_dir), EngineConfig(**ENGINE_FLAGS)))
-    with TestClient(create_app(engine, MODEL_NAME)) as test_client:
-        yield engine, test_client
-    engine.shutdown()
-
-
-def test_health_and_requests_wait_for_warm_up(inprocess):
-    engine, http = inprocess
-    assert engine.ready.wait(60)
-    engine.ready.clear()  # as while the engine thread compiles
-    assert http.get("/health").status_code == 503
-    busy = http.post("/v1/completions", json=OK)
-    assert busy.status_code == 503 and busy.headers["retry-after"]
-    assert "warming up" in busy.json()["error"]["message"]
-    engine.ready.set()
-    assert http.get("/health").status_code == 200
-    assert http.post("/v1/completions", json=OK).status_code == 200
-
-
-def test_a_full_server_answers_503_with_retry_after(inprocess):
-    """A request that fits, arriving while the pending sequences are at the limit, is told
-    to retry; once they drain it is served."""
-    engine, http = inprocess
-    assert engine.ready.wait(60)
-    state = http.app.state.server
-    state.pending = state.max_pending_requests  # as with that many sequences in flight
-    try:
-        busy = http.post("/v1/completions", json=OK)
-        assert busy.status_code == 503 and busy.headers["retry-after"]
-        assert "too many requests in flight" in busy.json()["error"]["message"]
-    finally:
-        state.pending = 0
-    assert http.post("/v1/completions", json=OK).status_code == 200
-
-
-def test_a_failing_request_fails_alone(inprocess, monkeypatch, caplog):
-    from ksana_jax.tokenizer import IncrementalDetokenizer
-
-    engine, http = inprocess
-    original = IncrementalDetokenizer.add
-
-    def add(self, token_id):  # a bug that only requests starting with w150 meet
-        if self._ids[0] == 150:
-            raise RuntimeError("injected failure")
-        return original(self, token_id)
-
-    monkeypatch.setattr(IncrementalDetokenizer, "add", add)
-    failed = http.post("/v1/completions", json=OK | {"prompt": "w150 w3"})
-    assert failed.status_code == 500
-    assert "injected failure" in failed.json()["error"]["message"]
-    assert "injected failure" in caplog.text  # logged, with the request id
-    stream = http.post("/v1/completions", json=OK | {"prompt": "w150 w4", "stream": True})
-    assert stream.status_code == 200 and '"error"' in stream.text
-    assert stream.text.rstrip().endswith("data: [DONE]")
-    fine = http.post("/v1/completions", json=OK)
-    assert fine.status_code == 200 and fine.json()["choices"][0]["text"]
-    assert engine.error is None and http.get("/health").status_code == 200
-    assert engine.engine.pages.num_free == engine.engine.pages.num_usable
-
-
-def test_a_stream_never_started_still_frees_its_requests(inprocess):
-    """A client that leaves before the SSE body is first iterated: the body's `finally`
-    never runs, so dropping the body must abort the requests and release the pending slots."""
-    import gc
-
-    from ksana_jax import SamplingParams
-    from server.streaming import Run as _Run
-    from server.streaming import event_stream as _event_stream
-
-    engine, http = inprocess
-    assert engine.ready.wait(60)
-    state = http.app.state.server
-    params = SamplingParams(max_tokens=100, ignore_eos=True)
-
-    async def start_and_drop():
-        run = await _Run.start(state, "never-read", ["w5 w6", "w7"], params)
-        assert state.pending == 2
-        _event_stream(run, lambda i, out: [], list)  # built, then dropped unread
-        del run
-        gc.collect()
-
-    http.blocking_portal.call(start_and_drop)  # on the app's event loop, as a handler runs
-    deadline = time.monotonic() + 60
-    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert state.pending == 0
-    assert not engine.engine.has_unfinished_requests()
-    assert engine.engine.pages.num_free == engine.engine.pages.num_usable
+    assert metric(openai_server, "ksana_generation_tokens_total") - generated < 50 * 100 / 2
 
 
 # ---------------------------------------------------------------------------- SmolLM2

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import hf_logits, write_tiny_hf
-from tests.test_server import post, start_server, stop_server
+from tests.servers import post, start_server, stop_server
 
 TOL = 1e-3  # the bound; float32 on both sides agrees far closer
 MODEL = "tiny"

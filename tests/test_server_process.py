@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import write_tiny_hf
-from tests.test_server import start_server, stop_server
+from tests.servers import start_server, stop_server
 
 KEY = "test-key"
 FLAGS = ["--max-model-len=128", "--max-num-seqs=4", "--max-num-batched-tokens=64"]

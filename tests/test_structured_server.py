@@ -22,7 +22,7 @@ import pydantic
 import pytest
 
 from ksana_jax import LLM, SamplingParams, StructuredOutputsParams
-from tests.test_server import ROOT, jax_cache_dir, metric, start_server, stop_server
+from tests.servers import ROOT, jax_cache_dir, metric, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 FLAGS = {"max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 128}
