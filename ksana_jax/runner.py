@@ -65,6 +65,7 @@ from ksana_jax.sampling import (
     SamplingInputs,
     ScoredLogprobs,
     plan_for,
+    sampler_plans,
     scored_size,
     scored_sizes,
 )
@@ -291,7 +292,7 @@ class ModelRunner:
         num_scored: int = 0,
     ) -> tuple[SampledTokens, ScoredLogprobs | None, jax.Array]:
         """Dispatches the sampling program of a step `forward` dispatched, as `sampler` says (a
-        token mask that allows some row less than every token widens it to FULL), under
+        token mask that allows some row less than every token widens it to a full plan), under
         token_bitmask i32[W, ceil(V / 32)] (None: every token allowed), and when the step
         scores `num_scored` prompt positions, its scoring program; returns their outputs as
         device arrays (not waited for): sampled tokens, scored prompt logprobs (None: none
@@ -301,7 +302,7 @@ class ModelRunner:
         if token_bitmask is not None and np.all(token_bitmask == -1):
             token_bitmask = None
         if token_bitmask is not None:
-            sampler = SamplerPlan.FULL
+            sampler = sampler.widened()
         size = scored_size(num_scored, self.config.max_num_scored_tokens)
         if self.channel is not None:
             mask = self.batch.bitmasks([], width) if token_bitmask is None else token_bitmask
@@ -420,8 +421,8 @@ class ModelRunner:
 
     def warm_up(self, progress: bool = True) -> int:
         """Compiles (by running on padding only) every bucket shape under each of its static
-        row variants (`row_variants`), its sampler under each SamplerPlan, and the scoring
-        program at each scored size; returns the shapes."""
+        row variants (`row_variants`), its sampler under each plan this platform uses
+        (`sampler_plans`), and the scoring program at each scored size; returns the shapes."""
         shapes = self.bucket_shapes()
         for num_tokens, num_seqs, context in tqdm(
             shapes, desc="warm-up", unit="bucket", disable=not progress
@@ -429,7 +430,7 @@ class ModelRunner:
             inputs, sampling, rows, _ = self.padding_inputs(num_tokens, num_seqs, context)
             for variant in self.row_variants(rows):
                 forwarded = self.forward(inputs, sampling, variant)
-                for sampler in SamplerPlan:
+                for sampler in sampler_plans():
                     self.sample(forwarded, None, sampler)
         for size in scored_sizes(self.config.max_num_scored_tokens):
             self.sample(forwarded, None, SamplerPlan.GREEDY, size)

@@ -11,19 +11,21 @@ of requests. Which passes the sampler runs is decided on the host, from the step
 (`SamplerPlan`, a static argument: one compiled sampler per plan): a plain greedy batch (the
 common serving case) only takes the argmax, which reduces blocks of the vocabulary first
 (`_argmax`); a batch whose rows only sample (temperature, top-k/top-p/min-p, seeds) adds the
-filters and the noise; either adds log-softmax and top-N when some row wants logprobs
-(lm-eval, OpenAI `logprobs`); any other batch (penalties, logit bias, banned ids, token
-masks) runs `SamplerPlan.FULL`, where work no row needs is skipped with `lax.cond` on the
-data: the vocabulary sort when every row is greedy, the penalty gathers when no row has a
-penalty, log-softmax and top-N when no row wants logprobs (on CPU these passes over [S, V]
-took ~45 ms of a 64-row SmolLM2 decode step). The plans but FULL branch on nothing: XLA:GPU
-runs a conditional it keeps by copying its predicate to the host, so dispatching a program
-that holds one waits for the work queued before it (measured on an H200: the sampler's
-dispatch took the forward's 4.4 ms). A row's randomness is `fold_in(key(seed),
-num_generated)` and its noise is indexed by token id, so a request's tokens depend only on
-its seed and its own history, not on what else is in the batch (nor on the plan). Logprobs
-are those of the model's raw distribution (before logit bias, penalties and temperature), as
-vLLM returns them by default.
+filters and the noise (and sorts the vocabulary); either adds log-softmax and top-N when
+some row wants logprobs (lm-eval, OpenAI `logprobs`); any other batch (penalties, logit
+bias, banned ids, token masks) runs a full plan (on a GPU, a greedy one for all-greedy
+rows). Within a full plan, work no row needs (the vocabulary sort when every row is greedy,
+the penalty gathers when no row has a penalty, the mask when every row allows every token,
+log-softmax and top-N when no row wants logprobs) is skipped by `if_needed`:
+with `lax.cond` on CPU and TPU, where these passes over [S, V] are a large share of a decode
+step; done anyway on a GPU, whose memory makes them small. No sampler a GPU runs branches:
+XLA:GPU runs a conditional by copying its predicate to the host, so dispatching a program
+that holds one waits for the work queued before it (the README has an H200's numbers).
+
+A row's randomness is `fold_in(key(seed), num_generated)` and its noise is indexed by token
+id, so a request's tokens depend only on its seed and its own history, not on what else is
+in the batch (nor on the plan). Logprobs are those of the model's raw distribution (before
+logit bias, penalties and temperature), as vLLM returns them by default.
 
 Prompt logprobs (`score_prompt`) come from a fixed number Q of a step's prompt positions
 (EngineConfig.max_num_scored_tokens), gathered from the final hidden states: only they go
@@ -202,16 +204,32 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed != 0, logits, -jnp.inf)
 
 
+def branches_cost_a_sync() -> bool:
+    """Whether this platform's XLA runs a conditional by copying its predicate to the host (a
+    GPU), so that dispatching a program holding one waits for the work queued before it.
+    CPU and TPU run conditionals where they are. (Read while tracing: exporting for another
+    platform patches jax.default_backend, as the tests do.)"""
+    return jax.default_backend() == "gpu"
+
+
+def if_needed(needed: jax.Array, fn, skip, *operands):
+    """fn(*operands) where `needed` (a traced bool) holds, else skip(*operands), which gives
+    what fn would have made of them (fn's work changes nothing where no row needs it): a
+    lax.cond where conditionals are free, fn always where they cost a sync (a GPU, for
+    which these passes are cheap)."""
+    if branches_cost_a_sync():
+        return fn(*operands)
+    return jax.lax.cond(needed, fn, skip, *operands)
+
+
 def _with_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     """apply_token_bitmask, skipped when every row allows every token (no constraint)."""
-    return jax.lax.cond(
-        jnp.all(bitmask == -1), lambda x, _: x, apply_token_bitmask, logits, bitmask
-    )
+    return if_needed(jnp.any(bitmask != -1), apply_token_bitmask, lambda x, _: x, logits, bitmask)
 
 
 def _with_penalties(logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts) -> jax.Array:
     """apply_penalties, skipped when no row has a penalty (its [S, V] gathers are the cost)."""
-    return jax.lax.cond(
+    return if_needed(
         jnp.any(penalties_active(s)), apply_penalties, lambda x, *_: x, logits, s, counts
     )
 
@@ -260,31 +278,54 @@ class SamplerPlan(enum.Enum):
     RANDOM = "random"  # some row samples; none has a penalty, bias, ban, mask or logprobs
     GREEDY_LOGPROBS = "greedy+logprobs"  # GREEDY, and some row wants logprobs
     RANDOM_LOGPROBS = "random+logprobs"  # RANDOM, and some row wants logprobs
-    FULL = "full"  # any options; work no row needs is skipped with lax.cond
+    FULL_GREEDY = "greedy+full"  # every row greedy, any other options (GPU only, see widened)
+    FULL = "full"  # any options; work no row needs is skipped by if_needed
 
     @property
     def greedy(self) -> bool:
-        return self in (SamplerPlan.GREEDY, SamplerPlan.GREEDY_LOGPROBS)
+        """Every row is greedy: the argmax, no vocabulary sort."""
+        return self in (SamplerPlan.GREEDY, SamplerPlan.GREEDY_LOGPROBS, SamplerPlan.FULL_GREEDY)
 
     @property
     def logprobs(self) -> bool:
         return self in (SamplerPlan.GREEDY_LOGPROBS, SamplerPlan.RANDOM_LOGPROBS)
 
+    @property
+    def full(self) -> bool:
+        return self in (SamplerPlan.FULL_GREEDY, SamplerPlan.FULL)
+
+    def widened(self) -> SamplerPlan:
+        """The full plan serving this plan's rows with more options (a token mask): on a GPU
+        FULL_GREEDY for greedy rows, so that no sampler sorts the vocabulary for them or
+        branches; elsewhere FULL, which skips the sort with a lax.cond when every row is
+        greedy (`if_needed`): one compiled sampler fewer per bucket."""
+        if self.greedy and branches_cost_a_sync():
+            return SamplerPlan.FULL_GREEDY
+        return SamplerPlan.FULL
+
+
+def sampler_plans() -> tuple[SamplerPlan, ...]:
+    """The plans `plan_for` gives on this platform (warm-up compiles a sampler for each)."""
+    gpu = branches_cost_a_sync()
+    return tuple(p for p in SamplerPlan if gpu or p is not SamplerPlan.FULL_GREEDY)
+
 
 def plan_for(s: SamplingInputs, masked: bool) -> SamplerPlan:
     """The plan of a step whose rows are `s` (host arrays; its token_bitmask is not read),
     `masked`: some row samples under a token bitmask."""
+    greedy = bool(np.all(s.temperature == 0.0))
+    if np.any(s.num_logprobs >= 0):
+        plan = SamplerPlan.GREEDY_LOGPROBS if greedy else SamplerPlan.RANDOM_LOGPROBS
+    else:
+        plan = SamplerPlan.GREEDY if greedy else SamplerPlan.RANDOM
     if (
         masked
         or np.any(penalties_active(s))
         or np.any(s.bias_ids >= 0)
         or np.any(s.suppressed_ids >= 0)
     ):
-        return SamplerPlan.FULL
-    greedy = bool(np.all(s.temperature == 0.0))
-    if np.any(s.num_logprobs >= 0):
-        return SamplerPlan.GREEDY_LOGPROBS if greedy else SamplerPlan.RANDOM_LOGPROBS
-    return SamplerPlan.GREEDY if greedy else SamplerPlan.RANDOM
+        return plan.widened()
+    return plan
 
 
 def _no_logprobs(num_seqs: int, max_logprobs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -314,8 +355,8 @@ def sample(
     """Samples one token per row of logits f32[S, V] as `plan` says (FULL serves any rows;
     the others only those plan_for gives them); `counts` holds every row's tokens so far
     (including this step's fed tokens) at its slot."""
-    if plan is SamplerPlan.FULL:
-        return _sample_full(logits, s, counts, max_logprobs)
+    if plan.full:
+        return _sample_full(logits, s, counts, max_logprobs, plan.greedy)
     token_ids = _argmax(logits) if plan.greedy else _choose(logits, s)
     if plan.logprobs:
         return SampledTokens(token_ids, *_logprobs(logits, token_ids, max_logprobs))
@@ -323,20 +364,22 @@ def sample(
 
 
 def _sample_full(
-    logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts, max_logprobs: int
+    logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts, max_logprobs: int, greedy: bool
 ) -> SampledTokens:
-    """`sample` with every option."""
+    """`sample` with every option (`greedy`: every row is)."""
     raw_logits = logits
     logits = _with_penalties(apply_logit_bias(logits, s), s, counts)
     rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], s.suppressed_ids.shape)
     banned = jnp.where(s.suppressed_ids >= 0, s.suppressed_ids, logits.shape[1])
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
     logits = _with_bitmask(logits, s.token_bitmask)
-    # Sorting the vocabulary is the expensive part; an all-greedy batch skips it.
-    token_ids = jax.lax.cond(
-        jnp.all(s.temperature == 0.0), lambda x, _: _argmax(x), _choose, logits, s
-    )
-    chosen, top_ids, top_logprobs = jax.lax.cond(
+    if greedy:
+        token_ids = _argmax(logits)
+    else:  # sorting the vocabulary is the expensive part; an all-greedy batch skips it
+        token_ids = if_needed(
+            jnp.any(s.temperature != 0.0), _choose, lambda x, _: _argmax(x), logits, s
+        )
+    chosen, top_ids, top_logprobs = if_needed(
         jnp.any(s.num_logprobs >= 0),
         functools.partial(_logprobs, max_logprobs=max_logprobs),
         lambda *_: _no_logprobs(logits.shape[0], max_logprobs),

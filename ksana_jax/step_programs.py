@@ -10,9 +10,10 @@ token, penalty counts and page table).
     write_pages_step  page-table writes that do not fit in a step         (BatchState donated)
     engine_step       forward, sample and score composed at their most, for the AOT tools
 
-The forward and the samplers but SamplerPlan.FULL branch on no device data: XLA:GPU runs a
-conditional it keeps by copying its predicate to the host, so dispatching a program that
-holds one would wait for the work queued before it. `cfg` and the pack layout are static;
+The forward and the samplers branch on no device data where they run on a GPU: XLA:GPU runs
+a conditional it keeps by copying its predicate to the host, so dispatching a program that
+holds one would wait for the work queued before it (a full sampler plan skips work with
+`sampling.if_needed`, a conditional only on CPU and TPU). `cfg` and the pack layout are static;
 the KV array is donated, so XLA writes the new K/V in place and the compiled step holds no
 second KV-sized buffer. (`step.logits_step` is the forward without sampling that
 `Model.logits` and single-request `generate` use.)
@@ -38,6 +39,7 @@ from ksana_jax.sampling import (
     SamplerPlan,
     ScoredLogprobs,
     count_tokens,
+    if_needed,
     penalties_active,
     sample,
     score_prompt,
@@ -183,16 +185,16 @@ def _sample(
 ) -> tuple[tuple[SampledTokens, jax.Array], BatchState]:
     """The step's second program: samples each position from the forward's logits as
     `plan` (static) says, under the token bitmask i32[W, ceil(V / 32)] (filled on the host
-    while the forward ran). Under SamplerPlan.FULL it first counts the fed tokens for
-    penalties, if a row has one (the other plans have no penalty rows). A position whose
+    while the forward ran). Under a full plan it first counts the fed tokens for penalties,
+    if a row has one (the other plans have no penalty rows). A position whose
     draft the target's token equals accepts it; each slot's last token becomes its row's
     last token after verification. Returns the sampled tokens and each sampled position's
     proposal i32[W] (-1: none)."""
     _, sampling, rows = unpack(forwarded.buffers, forwarded.layout)[:3]
     sampling = dataclasses.replace(sampling, token_bitmask=token_bitmask)
     counts = state.counts
-    if plan is SamplerPlan.FULL:
-        counts = jax.lax.cond(
+    if plan.full:
+        counts = if_needed(
             jnp.any(penalties_active(sampling)),
             lambda c: count_tokens(
                 c, rows.count_slots, forwarded.token_ids, rows.is_output, rows.reset_slots

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 from collections import Counter
 from typing import NamedTuple
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,8 @@ M = 12  # history length of every call (one compiled shape per batch size)
 N_LOGPROBS = 4
 
 sample_jit = jax.jit(functools.partial(sample, max_logprobs=N_LOGPROBS), static_argnames="plan")
+# The same sampler traced as on a GPU: a full plan does the work if_needed would skip.
+sample_gpu_jit = jax.jit(functools.partial(sample, max_logprobs=N_LOGPROBS), static_argnames="plan")
 penalties_jit = jax.jit(apply_penalties)
 filter_jit = jax.jit(_filter)
 
@@ -144,21 +147,31 @@ def concat_inputs(parts: list[Rows]) -> Rows:
 
 def run(logits, rows: Rows):
     """The sampler under the plan the runner picks for `rows`; it must sample (and, with
-    logprobs, report) what the plan that serves any rows (FULL) does."""
+    logprobs, report) what the plan that serves any rows (FULL) does, and a full plan what the
+    plan a GPU picks does traced as on a GPU (no conditional: the skipped work done)."""
     logits = jnp.asarray(logits, jnp.float32)
     masked = bool(np.any(np.asarray(rows.s.token_bitmask) != -1))
     plan = plan_for(rows.s, masked)
     out = jax.tree.map(np.asarray, sample_jit(logits, rows.s, rows.counts, plan=plan))
+    wants_logprobs = bool(np.any(np.asarray(rows.s.num_logprobs) >= 0))
     if plan is not SamplerPlan.FULL:
-        full = jax.tree.map(
-            np.asarray, sample_jit(logits, rows.s, rows.counts, plan=SamplerPlan.FULL)
-        )
-        np.testing.assert_array_equal(out.token_ids, full.token_ids)
-        if plan.logprobs:
-            np.testing.assert_array_equal(out.top_ids, full.top_ids)
-            np.testing.assert_allclose(out.logprobs, full.logprobs, rtol=1e-6, atol=1e-6)
-            np.testing.assert_allclose(out.top_logprobs, full.top_logprobs, rtol=1e-6, atol=1e-6)
+        full = sample_jit(logits, rows.s, rows.counts, plan=SamplerPlan.FULL)
+        _assert_same(out, full, plan.logprobs)
+    if plan.full:  # as a GPU would: its own plan (FULL_GREEDY for greedy rows), no conditional
+        with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+            gpu_plan = plan_for(rows.s, masked)
+            gpu = sample_gpu_jit(logits, rows.s, rows.counts, plan=gpu_plan)
+        _assert_same(out, gpu, wants_logprobs)
     return out
+
+
+def _assert_same(out, other, logprobs: bool) -> None:
+    other = jax.tree.map(np.asarray, other)
+    np.testing.assert_array_equal(out.token_ids, other.token_ids)
+    if logprobs:
+        np.testing.assert_array_equal(out.top_ids, other.top_ids)
+        np.testing.assert_allclose(out.logprobs, other.logprobs, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(out.top_logprobs, other.top_logprobs, rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- numpy oracles

@@ -27,6 +27,7 @@ from ksana_jax.pallas_kernels import (
     write_kv_pages_tpu,
 )
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
+from ksana_jax.sampling import SamplerPlan
 
 # (name, layers, query heads, KV heads, head dim): SmolLM2-135M and a Llama-3-8B-like model.
 MODELS = [("smollm2", 30, 9, 3, 64), ("llama3_8b", 32, 32, 8, 128)]
@@ -236,15 +237,14 @@ def test_engine_step_lowers_for_cuda_without_a_while_loop(tmp_path, monkeypatch)
     assert "stablehlo.while" not in module
 
 
-@pytest.mark.parametrize("plan", ["greedy", "random", "greedy+logprobs", "random+logprobs", "full"])
+@pytest.mark.parametrize("plan", [p.value for p in SamplerPlan])
 def test_decode_step_programs_lower_for_cuda_without_a_conditional(plan, tmp_path, monkeypatch):
-    """A step's forward and sampling programs as the runner dispatches them for rows that
-    sample greedily or plainly, with or without logprobs (sampling.SamplerPlan), lowered for
-    a GPU: no conditional, which XLA:GPU runs by copying its predicate to the host, so
-    dispatching the program would wait for the work queued before it (an H200 measured the
-    sampler's dispatch at the forward's 4.4 ms). The FULL plan (penalties, bias, banned ids,
-    masks) still skips work with conditionals, which this finds there."""
-    from ksana_jax.sampling import SamplerPlan
+    """A step's forward and sampling programs as the runner dispatches them under each
+    sampler plan (sampling.SamplerPlan: greedy or sampled rows, with logprobs, with
+    penalties, bias, banned ids or masks), lowered for a GPU: no conditional, which XLA:GPU
+    runs by copying its predicate to the host, so dispatching the program would wait for the
+    work queued before it (an H200 measured the sampler's dispatch at the forward's 4.4 ms).
+    The full plans skip work with conditionals on CPU and TPU only (sampling.if_needed)."""
     from ksana_jax.step_programs import forward_step, sample_step
 
     def make_step(cfg, layout, max_logprobs):
@@ -260,7 +260,7 @@ def test_decode_step_programs_lower_for_cuda_without_a_conditional(plan, tmp_pat
     module = _lowered_for_cuda(tmp_path, monkeypatch, make_step)
     assert module.count(paged_attention_gpu.TRITON_CUSTOM_CALL) >= 2
     conditionals = re.findall(r"stablehlo\.(case|if|while)\b", module)
-    assert (conditionals == []) == (plan != "full"), conditionals
+    assert conditionals == [], conditionals
 
 
 def test_speculative_step_programs_lower_for_cuda_without_a_conditional(tmp_path, monkeypatch):
@@ -269,7 +269,6 @@ def test_speculative_step_programs_lower_for_cuda_without_a_conditional(tmp_path
     no loop. The host knows whether some row drafts and how many positions are in use
     (RowInputs' static fields), and the draft's k steps are unrolled; before, a lax.cond
     around a while loop ran the draft and a lax.switch picked the positions."""
-    from ksana_jax.sampling import SamplerPlan
     from ksana_jax.step_programs import forward_step, sample_step
 
     def make_step(cfg, layout, max_logprobs):

@@ -4,6 +4,8 @@ sampler plans."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +30,7 @@ from sampling_oracle import (
 from ksana_jax.sampling import (
     SamplerPlan,
     plan_for,
+    sampler_plans,
     score_prompt,
     scored_size,
     scored_sizes,
@@ -398,25 +401,37 @@ def test_plain_greedy_is_the_first_argmax(vocab):
         (dict(temperature=0.0, num_logprobs=0), SamplerPlan.GREEDY_LOGPROBS),
         (dict(temperature=[0.0, 0.7, 0.0], num_logprobs=[-1, -1, 2]), SamplerPlan.RANDOM_LOGPROBS),
         (dict(temperature=0.0, num_logprobs=[-1, 0, -1], min_p=0.1), SamplerPlan.GREEDY_LOGPROBS),
-        (dict(temperature=0.0, num_logprobs=-1, presence_penalty=[0, 0, 0.5]), SamplerPlan.FULL),
+        (
+            dict(temperature=0.0, num_logprobs=-1, presence_penalty=[0, 0, 0.5]),
+            SamplerPlan.FULL_GREEDY,
+        ),
         (dict(temperature=0.7, num_logprobs=-1, repetition_penalty=1.1), SamplerPlan.FULL),
-        (dict(temperature=0.0, num_logprobs=-1, bias=[{}, {3: 1.0}, {}]), SamplerPlan.FULL),
+        (dict(temperature=[0.0, 0.7, 0.0], bias=[{}, {3: 1.0}, {}]), SamplerPlan.FULL),
+        (dict(temperature=0.0, num_logprobs=-1, bias=[{}, {3: 1.0}, {}]), SamplerPlan.FULL_GREEDY),
         (
             dict(temperature=0.0, num_logprobs=-1, suppressed=[[2, -1, -1, -1]] * 3),
-            SamplerPlan.FULL,
+            SamplerPlan.FULL_GREEDY,
         ),
     ],
 )
 def test_plan_is_the_least_the_rows_need(fields, plan):
     """The host's plan: argmax alone for plain greedy rows, filters and noise for rows that
-    only sample, either with logprobs when some row wants them, the full sampler for anything
-    else (and for any token mask)."""
+    only sample, either with logprobs when some row wants them, a full sampler for anything
+    else (and for any token mask): on a GPU a greedy one where every row is greedy, elsewhere
+    FULL (which skips the sort with a conditional). Each is one the platform compiles."""
     fields = dict(fields)
     if "suppressed" in fields:
         fields["suppressed"] = np.array(fields["suppressed"], np.int32)
     rows = make_inputs(3, **fields)
-    assert plan_for(rows.s, masked=False) is plan
-    assert plan_for(rows.s, masked=True) is SamplerPlan.FULL
+    greedy = bool(np.all(np.asarray(rows.s.temperature) == 0))
+    for platform in ("cpu", "gpu", "tpu"):
+        with mock.patch.object(jax, "default_backend", lambda: platform):  # noqa: B023
+            got = plan_for(rows.s, masked=False), plan_for(rows.s, masked=True)
+            compiled = sampler_plans()
+        full = SamplerPlan.FULL_GREEDY if greedy and platform == "gpu" else SamplerPlan.FULL
+        want = full if plan is SamplerPlan.FULL_GREEDY else plan
+        assert got == (want, full), platform
+        assert set(got) <= set(compiled), platform
 
 
 def test_random_plan_samples_the_oracle_set_and_is_batch_invariant():
