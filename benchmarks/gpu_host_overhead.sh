@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Issue 20's GPU check, the prepared run for a lent GPU machine (the `device` tool, about 3
+# Issue 20's GPU check, the prepared run for a lent GPU machine (the `device` tool, about 6
 # minutes): host_overhead.py on SmolLM2 and on a Llama-3-8B-shaped model, both with random
 # bfloat16 weights made on the device (host_overhead.random_model), at 1 and 64 rows, async
-# scheduling off and on. The machine has JAX but none of this repo's packages that JAX does
+# scheduling off and on; then at 64 rows with sampled requests and with penalties (a full
+# sampler plan, whose sampler holds no conditional on a GPU either: its device idle should
+# be the greedy run's). The machine has JAX but none of this repo's packages that JAX does
 # not bring and no network, so first, here (ignored by git, carried by the call):
 #
 #     echo /.devcarry/ >> .git/info/exclude
@@ -26,4 +28,12 @@ for model in smollm2 llama3_8b; do
     timeout 300 python3 host_overhead.py --models "$model" --random-weights --rows 1 64 \
         --max-model-len 1024 --no-vllm --repeat 2 --tokens 64 2>&1 | grep -v "warm-up" |
         tee "$out/$model.txt"
+done
+for sampling in sampled penalties; do
+    for model in smollm2 llama3_8b; do
+        echo "== $model, $sampling"
+        timeout 200 python3 host_overhead.py --models "$model" --random-weights --rows 64 \
+            --max-model-len 1024 --no-vllm --repeat 2 --tokens 64 --sampling "$sampling" 2>&1 |
+            grep -v "warm-up" | tee "$out/$model-$sampling.txt"
+    done
 done

@@ -16,7 +16,11 @@ option, no timer: those columns say n/a).
 
     python benchmarks/host_overhead.py [--models tiny smollm2 llama3_8b] [--rows 1 64 256]
         [--max-model-len 1024 32768] [--tokens 64] [--repeat 3] [--dtype bfloat16]
-        [--random-weights]
+        [--random-weights] [--sampling greedy|sampled|penalties]
+
+`--sampling` is what every request asks (vLLM's requests too), and so which sampler the
+steps run (sampling.SamplerPlan): greedy (the argmax alone), sampled (temperature and top-p:
+filters and noise) or penalties (greedy with presence and frequency penalties: a full plan).
 
 "llama3_8b" (for a GPU machine: 16 GB of weights) and, with `--random-weights`, "smollm2"
 have random bfloat16 weights made on the device (`random_model`): no checkpoint is read.
@@ -48,6 +52,11 @@ from ksana_jax.demo import cache_dir, demo_checkpoint
 
 PAGE_SIZE = 16
 PROMPT_TOKENS = 16
+SAMPLING = {  # --sampling: SamplingParams fields of every request (vLLM's names)
+    "greedy": dict(temperature=0.0),
+    "sampled": dict(temperature=0.8, top_p=0.95),
+    "penalties": dict(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5),
+}
 
 
 def tiny_checkpoint() -> Path:
@@ -146,20 +155,22 @@ def measure(
     tokens: int,
     modes: list[bool | None],
     repeat: int = 1,
+    sampling: dict | None = None,
 ) -> dict[tuple[int, bool | None], dict]:
     """Each (max_model_len, mode) on its own engine, warmed up, then the timed run `repeat`
     times, all of them taking turns (reversed every other round, so none always runs first):
     on a shared machine whose speed drifts, configurations measured one after the other
     differ by the drift as much as by themselves (README). Each one's fastest run, with
-    `spread` = slowest / fastest tok/s."""
+    `spread` = slowest / fastest tok/s. `sampling`: SamplingParams fields (default greedy)."""
     prompts = random_prompts(rows, model.config.vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    sampling = sampling or SAMPLING["greedy"]
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, **sampling)
     configs = [(max_model_len, mode) for max_model_len in max_model_lens for mode in modes]
     llms = {}
     for max_model_len, mode in configs:
         options = engine_options(rows, max_model_len, mode, tokens)
         llms[max_model_len, mode] = llm = LLM(model, **options)
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        llm.generate(prompts, SamplingParams(max_tokens=4, **sampling), use_tqdm=False)
     runs: dict[tuple[int, bool | None], list[dict]] = {config: [] for config in configs}
     for round_ in range(repeat):
         for config in configs if round_ % 2 == 0 else configs[::-1]:
@@ -209,7 +220,14 @@ def main() -> None:
         action="store_true",
         help="SmolLM2 with random bfloat16 weights made on the device (`random_model`)",
     )
+    parser.add_argument(
+        "--sampling",
+        choices=sorted(SAMPLING),
+        default="greedy",
+        help="what every request asks: the argmax, temperature and top-p, or penalties",
+    )
     args = parser.parse_args()
+    sampling = SAMPLING[args.sampling]
 
     has_async = "async_scheduling" in {f.name for f in dataclasses.fields(EngineConfig)}
     modes = [False, True] if has_async else [None]
@@ -224,7 +242,7 @@ def main() -> None:
         context = model.config.max_position_embeddings
         max_model_lens = sorted({min(n, context) for n in args.max_model_len})
         for rows in args.rows:
-            best = measure(model, rows, max_model_lens, args.tokens, modes, args.repeat)
+            best = measure(model, rows, max_model_lens, args.tokens, modes, args.repeat, sampling)
             for (max_model_len, mode), row in best.items():
                 results.append((name, max_model_len, rows, mode, row))
                 print_row(*results[-1], flush=True)
@@ -240,13 +258,17 @@ def main() -> None:
                     max_model_len=max_model_len,
                     max_num_seqs=rows,
                     repeat=args.repeat,
+                    sampling=sampling,
                 )
                 if peer is not None:
                     row = dict(tok_s=peer["tok_s"], wall_ms=peer["seconds"] / args.tokens * 1e3)
                     results.append((name, max_model_len, rows, "vllm", row))
                     print_row(*results[-1], flush=True)
     results.sort(key=lambda r: (r[0], r[1], r[2]))  # by model, max_model_len, rows
-    print(f"\n{args.tokens} output tokens per request, {PROMPT_TOKENS}-token prompts")
+    print(
+        f"\n{args.tokens} output tokens per request, {PROMPT_TOKENS}-token prompts, "
+        f"sampling {args.sampling} {sampling}"
+    )
     print_header()
     for result in results:
         print_row(*result)

