@@ -203,6 +203,10 @@ def test_host_overhead_pieces_run_on_the_engine(tmp_path, capsys):
     host_overhead.print_ratios(results)
     out = capsys.readouterr().out
     assert "async on/off" in out and "max_len 128/64" in out
+    # --sampling penalties: every request's tokens come (measure asserts their number)
+    penalties = host_overhead.SAMPLING["penalties"]
+    best = host_overhead.measure(model, 2, [64], 3, [True], sampling=penalties)
+    assert best[64, True]["tok_s"] > 0
 
 
 def test_random_model_has_the_demo_checkpoints_shapes():
