@@ -11,16 +11,17 @@ of requests. Which passes the sampler runs is decided on the host, from the step
 (`SamplerPlan`, a static argument: one compiled sampler per plan): a plain greedy batch (the
 common serving case) only takes the argmax, which reduces blocks of the vocabulary first
 (`_argmax`); a batch whose rows only sample (temperature, top-k/top-p/min-p, seeds) adds the
-filters and the noise (and sorts the vocabulary); either adds log-softmax and top-N when
-some row wants logprobs (lm-eval, OpenAI `logprobs`); any other batch (penalties, logit
-bias, banned ids, token masks) runs a full plan (on a GPU, a greedy one for all-greedy
-rows). Within a full plan, work no row needs (the vocabulary sort when every row is greedy,
-the penalty gathers when no row has a penalty, the mask when every row allows every token,
-log-softmax and top-N when no row wants logprobs) is skipped by `if_needed`:
-with `lax.cond` on CPU and TPU, where these passes over [S, V] are a large share of a decode
-step; done anyway on a GPU, whose memory makes them small. No sampler a GPU runs branches:
-XLA:GPU runs a conditional by copying its predicate to the host, so dispatching a program
-that holds one waits for the work queued before it (the README has an H200's numbers).
+filters (`_filter`: their cut-offs read from the largest logits) and the noise; either adds
+log-softmax and top-N when some row wants logprobs (lm-eval, OpenAI `logprobs`); any other
+batch (penalties, logit bias, banned ids, token masks) runs a full plan (on a GPU, a greedy
+one for all-greedy rows). Within a full plan, work no row needs (the filters and noise when
+every row is greedy, the penalty gathers when no row has a penalty, the mask when every row
+allows every token, log-softmax and top-N when no row wants logprobs) is skipped by
+`if_needed`: with `lax.cond` on CPU and TPU, where these passes over [S, V] are a large
+share of a decode step; done anyway on a GPU, whose memory makes them small. No sampler a
+GPU runs branches: XLA:GPU runs a conditional by copying its predicate to the host, so
+dispatching a program that holds one waits for the work queued before it (the README has
+an H200's numbers).
 
 A row's randomness is `fold_in(key(seed), num_generated)` and its noise is indexed by token
 id, so a request's tokens depend only on its seed and its own history, not on what else is
@@ -158,29 +159,60 @@ def apply_penalties(logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts)
     return logits - s.presence_penalty[:, None] * (output_counts > 0)
 
 
+FILTER_PREFIX = 256  # the largest logits _filter looks for a row's cut-offs among first
+
+
 def _filter(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     """Temperature-scaled logits with tokens outside top-k / top-p / min-p set to -inf.
 
-    Applied in transformers' order: temperature, top-k, top-p, min-p.
+    Applied in transformers' order: temperature, top-k, top-p, min-p. The cut-offs are read
+    from the logits in descending order. A GPU sorts the vocabulary; XLA:CPU's sort is
+    ~50x slower than its top_k, so elsewhere the cut-offs are sought among the largest
+    FILTER_PREFIX logits (where a peaked distribution's nucleus lies), and only a batch with
+    a row whose cut-off lies past them sorts (a lax.cond: exact either way).
     """
     logits = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     vocab = logits.shape[1]
-    sorted_logits = -jnp.sort(-logits, axis=-1)  # descending
-    # top-k: keep logits >= the k-th largest.
+    if branches_cost_a_sync() or vocab <= FILTER_PREFIX:
+        threshold, _ = _cutoff(logits, -jnp.sort(-logits, axis=-1), s)
+    else:
+        threshold, found = _cutoff(logits, jax.lax.top_k(logits, FILTER_PREFIX)[0], s)
+        threshold = jax.lax.cond(
+            jnp.all(found),
+            lambda t: t,
+            lambda _: _cutoff(logits, -jnp.sort(-logits, axis=-1), s)[0],
+            threshold,
+        )
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def _cutoff(
+    logits: jax.Array, largest: jax.Array, s: SamplingInputs
+) -> tuple[jax.Array, jax.Array]:
+    """Each row's least kept logit f32[S, 1] under top-k, top-p and min-p, read from `largest`
+    f32[S, n], the row's n largest logits in descending order, and whether each row's
+    cut-offs lie among them bool[S] (always, for n = V)."""
+    vocab, n = logits.shape[1], largest.shape[1]
+    # top-k: keep logits >= the k-th largest (disabled: every logit).
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    kth = jnp.take_along_axis(largest, (jnp.minimum(k, n) - 1)[:, None], axis=-1)
+    kth = jnp.where((k == vocab)[:, None], -jnp.inf, kth)
     # top-p on what top-k kept (HF's and vLLM's order): the smallest prefix whose mass
     # reaches p; the first token is always kept, and p = 1 keeps everything.
-    probs = jax.nn.softmax(jnp.where(sorted_logits >= kth, sorted_logits, -jnp.inf), axis=-1)
+    # (the max of the row, not largest's first: XLA:CPU sorts for a top_k sliced twice)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    mass = jnp.sum(jnp.where(logits >= kth, jnp.exp(logits - top), 0.0), axis=-1, keepdims=True)
+    probs = jnp.where(largest >= kth, jnp.exp(largest - top), 0.0) / mass
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     num_kept = jnp.sum(mass_before < s.top_p[:, None], axis=-1)
-    num_kept = jnp.where(s.top_p >= 1.0, vocab, jnp.maximum(num_kept, 1))
-    pth = jnp.take_along_axis(sorted_logits, (num_kept - 1)[:, None], axis=-1)
+    found = ((k <= n) | (k == vocab)) & ((s.top_p >= 1.0) | (num_kept < n) | (n == vocab))
+    num_kept = jnp.where(s.top_p >= 1.0, n, jnp.maximum(num_kept, 1))
+    pth = jnp.take_along_axis(largest, (num_kept - 1)[:, None], axis=-1)
+    pth = jnp.where((s.top_p >= 1.0)[:, None], -jnp.inf, pth)
     # min-p: keep tokens with prob >= min_p * max prob, i.e. logit >= max + log(min_p)
     # (log 0 = -inf: min_p = 0 drops nothing).
-    mth = sorted_logits[:, :1] + jnp.log(s.min_p)[:, None]
-    threshold = jnp.maximum(jnp.maximum(kth, pth), mth)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    mth = top + jnp.log(s.min_p)[:, None]
+    return jnp.maximum(jnp.maximum(kth, pth), mth), found
 
 
 def _row_noise(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
@@ -249,12 +281,15 @@ def _argmax(x: jax.Array) -> jax.Array:
     """First index of each row's max of x f32[S, V], i32[S], as jnp.argmax gives for NaN-free
     rows, in two stages: each block of ARGMAX_BLOCK tokens' max, then the first block holding
     the row's max and the first max inside it. XLA:CPU reduces [S, V / 128, 128] over its
-    last axis ~10x faster than [S, V] (64 x 49152: 0.2 vs 2.3 ms, measured)."""
+    last axis far faster than [S, V]. The blocks' maxima pass an optimization barrier: XLA
+    would otherwise fold the row's max of them back into a max over the whole row, a second
+    pass over the logits (benchmarks/sampler.py)."""
     rows, vocab = x.shape
     num_blocks = -(-vocab // ARGMAX_BLOCK)
     x = jnp.pad(x, ((0, 0), (0, num_blocks * ARGMAX_BLOCK - vocab)), constant_values=-jnp.inf)
     blocks = x.reshape(rows, num_blocks, ARGMAX_BLOCK)
-    block = jnp.minimum(_first_max(jnp.max(blocks, axis=-1)), num_blocks - 1)
+    block_max = jax.lax.optimization_barrier(jnp.max(blocks, axis=-1))
+    block = jnp.minimum(_first_max(block_max), num_blocks - 1)
     inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
     first = block * ARGMAX_BLOCK + _first_max(inside)
     return jnp.minimum(first, vocab - 1)  # a NaN row matches nothing: still a valid id
@@ -375,7 +410,7 @@ def _sample_full(
     logits = _with_bitmask(logits, s.token_bitmask)
     if greedy:
         token_ids = _argmax(logits)
-    else:  # sorting the vocabulary is the expensive part; an all-greedy batch skips it
+    else:  # the filters and the noise are the expensive part; an all-greedy batch skips them
         token_ids = if_needed(
             jnp.any(s.temperature != 0.0), _choose, lambda x, _: _argmax(x), logits, s
         )

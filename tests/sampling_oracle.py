@@ -28,7 +28,6 @@ from ksana_jax.sampling import (
     PenaltyCounts,
     SamplerPlan,
     SamplingInputs,
-    _filter,
     apply_penalties,
     count_tokens,
     plan_for,
@@ -43,7 +42,6 @@ sample_jit = jax.jit(functools.partial(sample, max_logprobs=N_LOGPROBS), static_
 # The same sampler traced as on a GPU: a full plan does the work if_needed would skip.
 sample_gpu_jit = jax.jit(functools.partial(sample, max_logprobs=N_LOGPROBS), static_argnames="plan")
 penalties_jit = jax.jit(apply_penalties)
-filter_jit = jax.jit(_filter)
 
 DEFAULTS = dict(
     temperature=1.0,

@@ -275,3 +275,18 @@ def test_quant_pieces_run_on_the_engine(tmp_path, capsys):
     quant_bench.report(results, 1e10, 24)
     out = capsys.readouterr().out
     assert "batch 1: int4 / bfloat16" in out and "below its floor" in out
+
+
+def test_sampler_benchmark_runs_every_plan(monkeypatch, capsys):
+    """benchmarks/sampler.py on a vocabulary past sampling.FILTER_PREFIX: each plan's rows
+    are ones plan_for gives that plan (rows_for asserts it), and every line prints."""
+    sampler = load_script("sampler")
+    argv = ["sampler.py", "--rows", "2", "--vocab", "600", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    sampler.main()
+    out = capsys.readouterr().out
+    from ksana_jax.sampling import sampler_plans
+
+    for plan in sampler_plans():
+        assert f"plan {plan.value} " in out, out
+    assert "plan random, flat" in out and "jnp.argmax (peer)" in out

@@ -16,7 +16,6 @@ from sampling_oracle import (
     N_LOGPROBS,
     M,
     V,
-    filter_jit,
     make_inputs,
     np_allowed,
     np_log_softmax,
@@ -27,6 +26,7 @@ from sampling_oracle import (
     take_rows,
 )
 
+from ksana_jax import sampling
 from ksana_jax.sampling import (
     SamplerPlan,
     plan_for,
@@ -93,6 +93,16 @@ def test_apply_penalties_matches_numpy(trial):
 # ----------------------------------------------------------------------------- 2. filters
 
 
+@pytest.fixture(params=[None, 4], ids=["sorted", "largest4"])
+def filter_fn(request, monkeypatch):
+    """_filter jitted afresh: as it runs for V = 16 (the whole vocabulary sorted), or as
+    XLA:CPU runs it for a large vocabulary, the cut-offs sought among the 4 largest logits
+    first (sampling.FILTER_PREFIX) -- a batch with a row needing more sorts."""
+    if request.param is not None:
+        monkeypatch.setattr(sampling, "FILTER_PREFIX", request.param)
+    return jax.jit(sampling._filter)
+
+
 def random_filter_row(rng, combo):
     """Random logits and filter settings for one row, away from every float boundary."""
     while True:
@@ -109,7 +119,7 @@ def random_filter_row(rng, combo):
 
 
 @pytest.mark.parametrize("combo", ["", "k", "p", "m", "km", "pm", "kp", "kpm"])
-def test_filter_keeps_the_oracle_set(combo):
+def test_filter_keeps_the_oracle_set(combo, filter_fn):
     """_filter's finite entries are exactly the oracle's allowed tokens (k/p/m = top-k/p/min-p)."""
     rng = np.random.default_rng(sum(map(ord, combo)) + 7)
     S = 16
@@ -122,13 +132,36 @@ def test_filter_keeps_the_oracle_set(combo):
         top_p=[r[2]["top_p"] for r in rows],
         min_p=[r[2]["min_p"] for r in rows],
     )
-    out = np.asarray(filter_jit(jnp.asarray(logits), s))
+    out = np.asarray(filter_fn(jnp.asarray(logits), s))
     for i, (row_logits, temperature, filters, keep) in enumerate(rows):
         assert np.array_equal(np.isfinite(out[i]), keep), (i, row_logits, temperature, filters)
         np.testing.assert_allclose(out[i][keep], row_logits[keep] / temperature, rtol=1e-5)
 
 
-def test_filter_edge_settings():
+@pytest.mark.parametrize("combo", ["k", "p", "kpm"])
+def test_cutoffs_among_the_largest_logits_are_the_sorted_ones(combo):
+    """_cutoff read from each row's 4 largest logits (where _filter looks first on CPU and
+    TPU) gives the whole sorted row's threshold for every row it says it found its cut-offs
+    among them; it says so of some rows and not of others here."""
+    rng = np.random.default_rng(sum(map(ord, combo)) + 11)
+    S = 64
+    rows = [random_filter_row(rng, combo) for _ in range(S)]
+    s = make_inputs(
+        S,
+        top_k=[r[2]["top_k"] for r in rows],
+        top_p=[r[2]["top_p"] for r in rows],
+        min_p=[r[2]["min_p"] for r in rows],
+    ).s
+    x = jnp.asarray(np.stack([r[0] / np.float32(r[1]) for r in rows]))
+    want, everywhere = sampling._cutoff(x, -jnp.sort(-x, axis=-1), s)
+    got, found = sampling._cutoff(x, jax.lax.top_k(x, 4)[0], s)
+    found = np.asarray(found)
+    assert np.asarray(everywhere).all()
+    assert found.any() and not found.all(), found
+    np.testing.assert_array_equal(np.asarray(got)[found], np.asarray(want)[found])
+
+
+def test_filter_edge_settings(filter_fn):
     base = np.array([3.0, 2.0, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0] * 2, np.float32)
     base[8:] -= 4.0
     cases = [  # (settings, expected kept ids)
@@ -147,12 +180,12 @@ def test_filter_edge_settings():
     assert len(cases) <= S
     cases += [(dict(), range(V))] * (S - len(cases))
     s = make_inputs(S, **{k: [c[0].get(k, DEFAULTS[k]) for c in cases] for k in DTYPES})
-    out = np.asarray(filter_jit(jnp.asarray(np.tile(base, (S, 1))), s))
+    out = np.asarray(filter_fn(jnp.asarray(np.tile(base, (S, 1))), s))
     for row, (settings, kept) in zip(out, cases, strict=True):
         assert np.flatnonzero(np.isfinite(row)).tolist() == list(kept), settings
 
 
-def test_filter_top_p_one_drops_nothing():
+def test_filter_top_p_one_drops_nothing(filter_fn):
     """top_p=1 is "disabled" (vLLM, HF): no token is dropped, however unlikely. Here the top
     token's float32 probability rounds to 1, so "mass before < top_p" alone drops the rest."""
     S = 16
@@ -161,17 +194,17 @@ def test_filter_top_p_one_drops_nothing():
     logits[1::2] /= 5  # gaps of -5 at temperature 0.2
     temperature = np.where(np.arange(S) % 2, 0.2, 1.0)
     s = make_inputs(S, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
-    out = np.asarray(filter_jit(jnp.asarray(logits), s))
+    out = np.asarray(filter_fn(jnp.asarray(logits), s))
     assert np.isfinite(out).all(), np.isfinite(out).sum(axis=1)
 
 
-def test_filter_min_p_zero_drops_nothing():
+def test_filter_min_p_zero_drops_nothing(filter_fn):
     """min_p=0 is "disabled": a token 80 nats below the max is not dropped (top-p keeps it)."""
     S = 16
     logits = np.zeros((S, V), np.float32)
     logits[:, -1] = -80.0
     s = make_inputs(S, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
-    out = np.asarray(filter_jit(jnp.asarray(logits), s))
+    out = np.asarray(filter_fn(jnp.asarray(logits), s))
     assert np.isfinite(out).all(), np.isfinite(out).sum(axis=1)
 
 
