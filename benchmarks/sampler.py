@@ -7,7 +7,7 @@ Each plan's rows are what plan_for would give it: greedy rows (GREEDY), temperat
 top-p 0.95 (RANDOM), either asking for logprobs (GREEDY_LOGPROBS, RANDOM_LOGPROBS), and the
 full plans with a presence penalty on every row (FULL_GREEDY greedy, FULL sampling). The
 logits are peaked as a model's are (a few tokens far above the rest: the top-p nucleus holds
-under FILTER_PREFIX tokens, so a CPU's filters need no sort); "flat" is the RANDOM plan on
+under FILTER_PREFIXES[0] tokens, so a CPU's filters need no sort); "flat" is the RANDOM plan on
 standard normal logits, whose nucleus spans most of the vocabulary (a CPU sorts). On a
 GPU the full plans run the passes a CPU skips with conditionals (`sampling.if_needed`): what
 a penalty or a token mask costs there. Times are the best of `--repeats` rounds of calls

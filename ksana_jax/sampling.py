@@ -159,31 +159,36 @@ def apply_penalties(logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts)
     return logits - s.presence_penalty[:, None] * (output_counts > 0)
 
 
-FILTER_PREFIX = 256  # the largest logits _filter looks for a row's cut-offs among first
+# How many of the largest logits _filter seeks a row's cut-offs among, in turn, before sorting.
+FILTER_PREFIXES = (256, 4096)
 
 
 def _filter(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     """Temperature-scaled logits with tokens outside top-k / top-p / min-p set to -inf.
 
     Applied in transformers' order: temperature, top-k, top-p, min-p. The cut-offs are read
-    from the logits in descending order. A GPU sorts the vocabulary; XLA:CPU's sort is
-    ~50x slower than its top_k, so elsewhere the cut-offs are sought among the largest
-    FILTER_PREFIX logits (where a peaked distribution's nucleus lies), and only a batch with
-    a row whose cut-off lies past them sorts (a lax.cond: exact either way).
+    from the logits in descending order. A GPU sorts the vocabulary. XLA:CPU sorts ~50x
+    slower than its top_k finds the largest 256, so elsewhere the cut-offs are sought among
+    the largest FILTER_PREFIXES[0] logits (where a peaked distribution's nucleus lies), then
+    among the next size's, and only a batch with a row whose cut-off lies past them all
+    sorts (lax.conds: exact either way).
     """
     logits = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     vocab = logits.shape[1]
-    if branches_cost_a_sync() or vocab <= FILTER_PREFIX:
-        threshold, _ = _cutoff(logits, -jnp.sort(-logits, axis=-1), s)
-    else:
-        threshold, found = _cutoff(logits, jax.lax.top_k(logits, FILTER_PREFIX)[0], s)
-        threshold = jax.lax.cond(
-            jnp.all(found),
-            lambda t: t,
-            lambda _: _cutoff(logits, -jnp.sort(-logits, axis=-1), s)[0],
-            threshold,
-        )
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    sizes = () if branches_cost_a_sync() else tuple(n for n in FILTER_PREFIXES if n < vocab)
+    return jnp.where(logits >= _threshold(logits, s, sizes), logits, -jnp.inf)
+
+
+def _threshold(logits: jax.Array, s: SamplingInputs, sizes: tuple[int, ...]) -> jax.Array:
+    """Each row's least kept logit f32[S, 1], read from the largest sizes[0] logits where
+    every row's cut-offs lie among them, else (a lax.cond) from sizes[1:], else from the
+    sorted rows."""
+    if not sizes:
+        return _cutoff(logits, -jnp.sort(-logits, axis=-1), s)[0]
+    threshold, found = _cutoff(logits, jax.lax.top_k(logits, sizes[0])[0], s)
+    return jax.lax.cond(
+        jnp.all(found), lambda t: t, lambda _: _threshold(logits, s, sizes[1:]), threshold
+    )
 
 
 def _cutoff(

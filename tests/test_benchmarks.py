@@ -278,7 +278,7 @@ def test_quant_pieces_run_on_the_engine(tmp_path, capsys):
 
 
 def test_sampler_benchmark_runs_every_plan(monkeypatch, capsys):
-    """benchmarks/sampler.py on a vocabulary past sampling.FILTER_PREFIX: each plan's rows
+    """benchmarks/sampler.py on a vocabulary past sampling.FILTER_PREFIXES[0]: each plan's rows
     are ones plan_for gives that plan (rows_for asserts it), and every line prints."""
     sampler = load_script("sampler")
     argv = ["sampler.py", "--rows", "2", "--vocab", "600", "--repeats", "1"]

@@ -93,13 +93,14 @@ def test_apply_penalties_matches_numpy(trial):
 # ----------------------------------------------------------------------------- 2. filters
 
 
-@pytest.fixture(params=[None, 4], ids=["sorted", "largest4"])
+@pytest.fixture(params=[None, (4, 8)], ids=["sorted", "largest4-8"])
 def filter_fn(request, monkeypatch):
     """_filter jitted afresh: as it runs for V = 16 (the whole vocabulary sorted), or as
-    XLA:CPU runs it for a large vocabulary, the cut-offs sought among the 4 largest logits
-    first (sampling.FILTER_PREFIX) -- a batch with a row needing more sorts."""
+    XLA:CPU runs it for a large vocabulary, the cut-offs sought among the 4, then the 8
+    largest logits first (sampling.FILTER_PREFIXES) -- a batch with a row needing more
+    sorts."""
     if request.param is not None:
-        monkeypatch.setattr(sampling, "FILTER_PREFIX", request.param)
+        monkeypatch.setattr(sampling, "FILTER_PREFIXES", request.param)
     return jax.jit(sampling._filter)
 
 
