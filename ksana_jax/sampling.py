@@ -171,12 +171,21 @@ def _filter(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     slower than its top_k finds the largest 256, so elsewhere the cut-offs are sought among
     the largest FILTER_PREFIXES[0] logits (where a peaked distribution's nucleus lies), then
     among the next size's, and only a batch with a row whose cut-off lies past them all
-    sorts (lax.conds: exact either way).
+    sorts (lax.conds: exact either way); a batch where no row has top-k or top-p needs no
+    order at all.
     """
     logits = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     vocab = logits.shape[1]
-    sizes = () if branches_cost_a_sync() else tuple(n for n in FILTER_PREFIXES if n < vocab)
-    return jnp.where(logits >= _threshold(logits, s, sizes), logits, -jnp.inf)
+    if branches_cost_a_sync():
+        threshold = _threshold(logits, s, ())
+    else:  # no order needed where no row has top-k or top-p: min-p reads the max alone
+        sizes = tuple(n for n in FILTER_PREFIXES if n < vocab)
+        threshold = jax.lax.cond(
+            jnp.any(((s.top_k > 0) & (s.top_k < vocab)) | (s.top_p < 1.0)),
+            lambda: _threshold(logits, s, sizes),
+            lambda: jnp.max(logits, axis=-1, keepdims=True) + jnp.log(s.min_p)[:, None],
+        )
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
 def _threshold(logits: jax.Array, s: SamplingInputs, sizes: tuple[int, ...]) -> jax.Array:
