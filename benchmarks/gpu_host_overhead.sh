@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Issue 20's GPU check, the prepared run for a lent GPU machine (the `device` tool, about 6
+# Issue 20's GPU check, the prepared run for a lent GPU machine (the `device` tool, about 7
 # minutes): host_overhead.py on SmolLM2 and on a Llama-3-8B-shaped model, both with random
 # bfloat16 weights made on the device (host_overhead.random_model), at 1 and 64 rows, async
 # scheduling off and on; then at 64 rows with sampled requests and with penalties (a full
 # sampler plan, whose sampler holds no conditional on a GPU either: its device idle should
-# be the greedy run's). The machine has JAX but none of this repo's packages that JAX does
-# not bring and no network, so first, here (ignored by git, carried by the call):
+# be the greedy run's); last, sampler.py: what each sampler plan costs the GPU alone. The
+# machine has JAX but none of this repo's packages that JAX does not bring and no network,
+# so first, here (ignored by git, carried by the call):
 #
 #     echo /.devcarry/ >> .git/info/exclude
 #     pip download 'llguidance==1.9.1' --no-deps -d .devcarry/wheels   # abi3: any CPython 3
@@ -37,3 +38,5 @@ for sampling in sampled penalties; do
             grep -v "warm-up" | tee "$out/$model-$sampling.txt"
     done
 done
+echo "== sampler"
+timeout 120 python3 sampler.py --rows 1 64 256 --repeats 5 2>&1 | tee "$out/sampler.txt"
