@@ -167,12 +167,12 @@ def _filter(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     """Temperature-scaled logits with tokens outside top-k / top-p / min-p set to -inf.
 
     Applied in transformers' order: temperature, top-k, top-p, min-p. The cut-offs are read
-    from the logits in descending order. A GPU sorts the vocabulary. XLA:CPU sorts ~50x
-    slower than its top_k finds the largest 256, so elsewhere the cut-offs are sought among
-    the largest FILTER_PREFIXES[0] logits (where a peaked distribution's nucleus lies), then
-    among the next size's, and only a batch with a row whose cut-off lies past them all
-    sorts (lax.conds: exact either way); a batch where no row has top-k or top-p needs no
-    order at all.
+    from the logits in descending order. A GPU sorts the vocabulary. XLA:CPU sorts far
+    slower than its top_k finds the largest few hundred (benchmarks/sampler.py), so
+    elsewhere the cut-offs are sought among the largest FILTER_PREFIXES[0] logits (where a
+    peaked distribution's nucleus lies), then among the next size's, and only a batch with
+    a row whose cut-off lies past them all sorts (lax.conds: exact either way); a batch
+    where no row has top-k or top-p needs no order at all.
     """
     logits = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     vocab = logits.shape[1]
