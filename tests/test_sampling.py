@@ -459,7 +459,7 @@ def test_plan_is_the_least_the_rows_need(fields, plan):
     rows = make_inputs(3, **fields)
     greedy = bool(np.all(np.asarray(rows.s.temperature) == 0))
     for platform in ("cpu", "gpu", "tpu"):
-        with mock.patch.object(jax, "default_backend", lambda: platform):  # noqa: B023
+        with mock.patch.object(jax, "default_backend", lambda p=platform: p):
             got = plan_for(rows.s, masked=False), plan_for(rows.s, masked=True)
             compiled = sampler_plans()
         full = SamplerPlan.FULL_GREEDY if greedy and platform == "gpu" else SamplerPlan.FULL
