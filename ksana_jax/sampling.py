@@ -11,7 +11,7 @@ of requests. Which passes the sampler runs is decided on the host, from the step
 (`SamplerPlan`, a static argument: one compiled sampler per plan): a plain greedy batch (the
 common serving case) only takes the argmax, which reduces blocks of the vocabulary first
 (`_argmax`); a batch whose rows only sample (temperature, top-k/top-p/min-p, seeds) adds the
-filters (`_filter`: their cut-offs read from the largest logits) and the noise; either adds
+filters (`_filtered`: their cut-offs read from the largest logits) and the noise; either adds
 log-softmax and top-N when some row wants logprobs (lm-eval, OpenAI `logprobs`); any other
 batch (penalties, logit bias, banned ids, token masks) runs a full plan (on a GPU, a greedy
 one for all-greedy rows). Within a full plan, work no row needs (the filters and noise when
@@ -43,6 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.random import threefry2x32_p
 
 
 @functools.partial(
@@ -159,45 +160,73 @@ def apply_penalties(logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts)
     return logits - s.presence_penalty[:, None] * (output_counts > 0)
 
 
-# How many of the largest logits _filter seeks a row's cut-offs among, in turn, before sorting.
+# How many of the largest logits _filtered seeks a row's cut-offs among, in turn, before
+# sorting.
 FILTER_PREFIXES = (256, 4096)
 
 
-def _filter(logits: jax.Array, s: SamplingInputs) -> jax.Array:
-    """Temperature-scaled logits with tokens outside top-k / top-p / min-p set to -inf.
+def _filtered(logits: jax.Array, s: SamplingInputs, use):
+    """`use(values, ids)` on the fewest candidates that hold every sampling row's kept
+    tokens: values f32[S, n] the temperature-scaled logits of the token ids i32[S, n], those
+    outside top-k / top-p / min-p at -inf; ids None means every token (n = V, in id order).
 
     Applied in transformers' order: temperature, top-k, top-p, min-p. The cut-offs are read
-    from the logits in descending order. A GPU sorts the vocabulary. XLA:CPU sorts far
-    slower than its top_k finds the largest few hundred (benchmarks/sampler.py), so
-    elsewhere the cut-offs are sought among the largest FILTER_PREFIXES[0] logits (where a
-    peaked distribution's nucleus lies), then among the next size's, and only a batch with
-    a row whose cut-off lies past them all sorts (lax.conds: exact either way); a batch
-    where no row has top-k or top-p needs no order at all.
+    from the logits in descending order. A GPU sorts the vocabulary and passes every token.
+    XLA:CPU sorts far slower than its top_k finds the largest few hundred
+    (benchmarks/sampler.py), so elsewhere the cut-offs are sought among the largest
+    FILTER_PREFIXES[0] logits (where a peaked distribution's nucleus lies), then among the
+    next size's, and only a batch with a row whose cut-off lies past them all sorts
+    (lax.conds: exact either way). Where every row's kept tokens lie among those largest,
+    only they are passed: the noise is then drawn for n tokens, not V. A batch where no row
+    has top-k or top-p needs no order at all (min-p reads the max). Greedy rows (temperature
+    0) take no part in the choice: their draw is not used.
     """
     logits = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     vocab = logits.shape[1]
+
+    def everything(threshold):
+        return use(jnp.where(logits >= threshold, logits, -jnp.inf), None)
+
     if branches_cost_a_sync():
-        threshold = _threshold(logits, s, ())
-    else:  # no order needed where no row has top-k or top-p: min-p reads the max alone
-        sizes = tuple(n for n in FILTER_PREFIXES if n < vocab)
-        threshold = jax.lax.cond(
-            jnp.any(((s.top_k > 0) & (s.top_k < vocab)) | (s.top_p < 1.0)),
-            lambda: _threshold(logits, s, sizes),
-            lambda: jnp.max(logits, axis=-1, keepdims=True) + jnp.log(s.min_p)[:, None],
-        )
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
-
-
-def _threshold(logits: jax.Array, s: SamplingInputs, sizes: tuple[int, ...]) -> jax.Array:
-    """Each row's least kept logit f32[S, 1], read from the largest sizes[0] logits where
-    every row's cut-offs lie among them, else (a lax.cond) from sizes[1:], else from the
-    sorted rows."""
-    if not sizes:
-        return _cutoff(logits, -jnp.sort(-logits, axis=-1), s)[0]
-    threshold, found = _cutoff(logits, jax.lax.top_k(logits, sizes[0])[0], s)
+        return everything(_sorted_cutoff(logits, s))
+    sizes = tuple(n for n in FILTER_PREFIXES if n < vocab)
     return jax.lax.cond(
-        jnp.all(found), lambda t: t, lambda _: _threshold(logits, s, sizes[1:]), threshold
+        jnp.any(((s.top_k > 0) & (s.top_k < vocab)) | (s.top_p < 1.0)),
+        lambda: _among_largest(logits, s, sizes, use, everything),
+        lambda: everything(jnp.max(logits, axis=-1, keepdims=True) + jnp.log(s.min_p)[:, None]),
     )
+
+
+def _among_largest(logits: jax.Array, s: SamplingInputs, sizes: tuple[int, ...], use, everything):
+    """_filtered's search for scaled `logits`: each row's cut-offs among its largest sizes[0]
+    logits where every row's lie there, else (a lax.cond) among sizes[1:]'s, else from the
+    sorted rows. Found, the candidates are those largest where every row keeps no more (a
+    row keeps all its logits >= its threshold, ties included), else every token."""
+    if not sizes:
+        return everything(_sorted_cutoff(logits, s))
+    largest, ids = jax.lax.top_k(logits, sizes[0])
+    threshold, found = _cutoff(logits, largest, s)
+    greedy = s.temperature == 0.0
+
+    def candidates(threshold):
+        kept = jnp.sum(logits >= threshold, axis=-1)
+        return jax.lax.cond(
+            jnp.all((kept <= sizes[0]) | greedy),
+            lambda t: use(jnp.where(largest >= t, largest, -jnp.inf), ids),
+            everything,
+            threshold,
+        )
+
+    return jax.lax.cond(
+        jnp.all(found | greedy),
+        candidates,
+        lambda _: _among_largest(logits, s, sizes[1:], use, everything),
+        threshold,
+    )
+
+
+def _sorted_cutoff(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    return _cutoff(logits, -jnp.sort(-logits, axis=-1), s)[0]
 
 
 def _cutoff(
@@ -229,9 +258,27 @@ def _cutoff(
     return jnp.maximum(jnp.maximum(kth, pth), mth), found
 
 
-def _row_noise(seed: jax.Array, step: jax.Array, vocab: int) -> jax.Array:
-    key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
-    return jax.random.gumbel(key, (vocab,), jnp.float32)
+def _noise(seeds: jax.Array, steps: jax.Array, ids: jax.Array | None, vocab: int) -> jax.Array:
+    """Each row's Gumbel noise f32[S, n] at the token ids i32[S, n] (None: all V, in order).
+
+    A row's noise at token t is -log(-log(u)), u in [tiny, 1) made from the threefry hash of
+    the counter (0, t) under the row's key fold_in(key(seed), step): what
+    jax.random.gumbel(key, (V,))[t] gives with jax's partitionable threefry (the default),
+    but computed for the ids asked only, and the same whichever tokens are drawn beside t.
+    """
+
+    def row(seed, step, ids):
+        key = jax.random.key_data(jax.random.fold_in(jax.random.PRNGKey(seed), step))
+        ids = ids.astype(jnp.uint32)
+        bits = jnp.bitwise_xor(*threefry2x32_p.bind(key[0], key[1], jnp.zeros_like(ids), ids))
+        mantissa = jax.lax.shift_right_logical(bits, jnp.uint32(32 - 23)) | jnp.uint32(0x3F800000)
+        tiny = jnp.finfo(jnp.float32).tiny
+        u = jax.lax.bitcast_convert_type(mantissa, jnp.float32) - 1.0
+        return -jnp.log(-jnp.log(jnp.maximum(tiny, u * (1.0 - tiny) + tiny)))
+
+    if ids is None:
+        return jax.vmap(row, in_axes=(0, 0, None))(seeds, steps, jnp.arange(vocab))
+    return jax.vmap(row)(seeds, steps, ids)
 
 
 def apply_logit_bias(logits: jax.Array, s: SamplingInputs) -> jax.Array:
@@ -387,11 +434,17 @@ def _no_logprobs(num_seqs: int, max_logprobs: int) -> tuple[jax.Array, jax.Array
 
 def _choose(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     """Each row's token i32[S]: a greedy row's argmax, else a draw from its filtered
-    distribution (the argmax of the filtered logits plus the row's Gumbel noise)."""
+    distribution: the first of its candidates' ids at the max of their filtered logits plus
+    the row's Gumbel noise (_filtered's fewest candidates: the same token as over all V)."""
     vocab = logits.shape[1]
-    noise = jax.vmap(_row_noise, in_axes=(0, 0, None))(s.seeds, s.num_generated, vocab)
-    sampled = _argmax(_filter(logits, s) + noise)
-    return jnp.where(s.temperature == 0.0, _argmax(logits), sampled)
+
+    def draw(values: jax.Array, ids: jax.Array | None) -> jax.Array:
+        x = values + _noise(s.seeds, s.num_generated, ids, vocab)
+        if ids is None:
+            return _argmax(x)
+        return jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), ids, vocab), axis=-1)
+
+    return jnp.where(s.temperature == 0.0, _argmax(logits), _filtered(logits, s, draw))
 
 
 def sample(

@@ -139,10 +139,6 @@ def take_rows(rows: Rows, index) -> Rows:
     return _renumber(jax.tree.map(lambda x: x[np.asarray(index)], rows))
 
 
-def concat_inputs(parts: list[Rows]) -> Rows:
-    return _renumber(jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts))
-
-
 def run(logits, rows: Rows):
     """The sampler under the plan the runner picks for `rows`; it must sample (and, with
     logprobs, report) what the plan that serves any rows (FULL) does, and a full plan what the

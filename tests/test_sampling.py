@@ -93,15 +93,23 @@ def test_apply_penalties_matches_numpy(trial):
 # ----------------------------------------------------------------------------- 2. filters
 
 
+def dense(values, ids):
+    """A _filtered consumer: the candidates' filtered logits f32[S, V] (-inf elsewhere)."""
+    if ids is None:
+        return values
+    rows = jnp.arange(ids.shape[0])[:, None]
+    return jnp.full((ids.shape[0], V), -jnp.inf).at[rows, ids].set(values)
+
+
 @pytest.fixture(params=[None, (4, 8)], ids=["sorted", "largest4-8"])
 def filter_fn(request, monkeypatch):
-    """_filter jitted afresh: as it runs for V = 16 (the whole vocabulary sorted), or as
-    XLA:CPU runs it for a large vocabulary, the cut-offs sought among the 4, then the 8
-    largest logits first (sampling.FILTER_PREFIXES) -- a batch with a row needing more
-    sorts."""
+    """The filtered logits, jitted afresh: as they are found for V = 16 (the whole vocabulary
+    sorted), or as XLA:CPU finds them for a large vocabulary, the cut-offs sought among the
+    4, then the 8 largest logits first (sampling.FILTER_PREFIXES) -- a batch with a row
+    needing more sorts -- and only those largest passed where they hold every kept token."""
     if request.param is not None:
         monkeypatch.setattr(sampling, "FILTER_PREFIXES", request.param)
-    return jax.jit(sampling._filter)
+    return jax.jit(lambda logits, s: sampling._filtered(logits, s, dense))
 
 
 def random_filter_row(rng, combo):
@@ -121,7 +129,8 @@ def random_filter_row(rng, combo):
 
 @pytest.mark.parametrize("combo", ["", "k", "p", "m", "km", "pm", "kp", "kpm"])
 def test_filter_keeps_the_oracle_set(combo, filter_fn):
-    """_filter's finite entries are exactly the oracle's allowed tokens (k/p/m = top-k/p/min-p)."""
+    """The filtered logits' finite entries are exactly the oracle's allowed tokens (k/p/m =
+    top-k/p/min-p)."""
     rng = np.random.default_rng(sum(map(ord, combo)) + 7)
     S = 16
     rows = [random_filter_row(rng, combo) for _ in range(S)]
@@ -141,7 +150,7 @@ def test_filter_keeps_the_oracle_set(combo, filter_fn):
 
 @pytest.mark.parametrize("combo", ["k", "p", "kpm"])
 def test_cutoffs_among_the_largest_logits_are_the_sorted_ones(combo):
-    """_cutoff read from each row's 4 largest logits (where _filter looks first on CPU and
+    """_cutoff read from each row's 4 largest logits (where _filtered looks first on CPU and
     TPU) gives the whole sorted row's threshold for every row it says it found its cut-offs
     among them; it says so of some rows and not of others here."""
     rng = np.random.default_rng(sum(map(ord, combo)) + 11)
@@ -207,6 +216,75 @@ def test_filter_min_p_zero_drops_nothing(filter_fn):
     s = make_inputs(S, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     out = np.asarray(filter_fn(jnp.asarray(logits), s))
     assert np.isfinite(out).all(), np.isfinite(out).sum(axis=1)
+
+
+def test_noise_is_jax_gumbel_at_any_ids():
+    """A row's noise at a token is jax.random.gumbel's for its key fold_in(key(seed), step) at
+    that token (seeded outputs are what they were when every token's noise was drawn),
+    whichever ids are drawn beside it."""
+    vocab = 3000
+    seeds = jnp.asarray([0, 1, 7, 2**31, 2**32 - 1, 12345], jnp.uint32)
+    steps = jnp.asarray([0, 1, 5, 99, 4096, 7], jnp.int32)
+    full = np.asarray(sampling._noise(seeds, steps, None, vocab))
+    for i, (seed, step) in enumerate(zip(seeds, steps, strict=True)):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
+        np.testing.assert_array_equal(full[i], jax.random.gumbel(key, (vocab,)))
+    ids = np.random.default_rng(3).integers(0, vocab, (len(seeds), 40)).astype(np.int32)
+    some = sampling._noise(seeds, steps, jnp.asarray(ids), vocab)
+    np.testing.assert_array_equal(np.asarray(some), np.take_along_axis(full, ids, 1))
+
+
+def test_drawing_among_the_largest_is_drawing_among_all(monkeypatch):
+    """Where every sampling row keeps few tokens the noise is drawn for its largest logits
+    alone, and the tokens are those drawn over the whole vocabulary (sorted). The batches
+    take every way: among the 4 largest, the 8, and all V (a row keeping more)."""
+    rng = np.random.default_rng(5)
+    S = 6
+
+    def batch(kind):
+        top_k = rng.integers(1, 5, S) if kind in ("k4", "k4+all", "k4+greedy") else 0
+        top_k = rng.integers(5, 9, S) if kind == "k8" else top_k
+        top_p = rng.uniform(0.05, 0.99, S) if kind == "p" else 1.0
+        temperature = rng.uniform(0.3, 2.0, S)
+        if kind == "k4+all":  # a row with a temperature alone keeps every token
+            top_k = np.where(np.arange(S) == 2, 0, top_k)
+        if kind == "k4+greedy":  # a greedy row keeps every token too, but draws nothing
+            top_k, temperature = (
+                np.where(np.arange(S) == 2, 0, top_k),
+                temperature * (np.arange(S) != 2),
+            )
+        fields = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        fields |= dict(seeds=rng.integers(0, 2**32, S, dtype=np.uint64))
+        fields |= dict(num_generated=rng.integers(0, 10000, S))
+        return rng.normal(size=(S, V)).astype(np.float32) * 2, make_inputs(S, **fields).s
+
+    def jitted(sizes, fn):  # traced at its first call, under its own prefix sizes
+        compiled = jax.jit(lambda *args: fn(*args))  # (jit shares one function's traces)
+
+        def call(*args):
+            monkeypatch.setattr(sampling, "FILTER_PREFIXES", sizes)
+            return compiled(*args)
+
+        return call
+
+    def draw(x, s):
+        return sampling._choose(x, s)
+
+    def width(x, s):
+        return sampling._filtered(x, s, lambda values, _: jnp.int32(values.shape[1]))
+
+    largest, everything = jitted((4, 8), draw), jitted((), draw)
+    width = jitted((4, 8), width)
+
+    widths = []
+    for kind in ["k4", "k8", "p", "k4+all", "k4+greedy"] * 8:
+        logits, s = batch(kind)
+        np.testing.assert_array_equal(largest(logits, s), everything(logits, s), kind)
+        widths.append((kind, int(width(logits, s))))
+    assert {w for kind, w in widths if kind in ("k4", "k4+greedy")} == {4}
+    assert {w for kind, w in widths if kind == "k8"} == {8}
+    assert {w for kind, w in widths if kind == "k4+all"} == {V}
+    assert len({w for kind, w in widths if kind == "p"}) > 1  # nuclei of several sizes
 
 
 # ----------------------------------------------------------------------------- 3. greedy

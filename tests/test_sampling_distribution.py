@@ -1,23 +1,25 @@
 """The sampler's draws against the oracle's distribution: 4,000 draws per setting (each its own
-seed and step; ties, permuted logits, each filter and their combinations, penalties), all in one
-sampler call: nothing sampled outside the oracle's set, every token of >= 1% seen, each
-token's frequency within 0.03 of its probability."""
+seed and step; ties, permuted logits, each filter and their combinations, penalties), one
+sampler call per setting: nothing sampled outside the oracle's set, every token of >= 1% seen,
+each token's frequency within 0.03 of its probability."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from sampling_oracle import (
     DEFAULTS,
     M,
     V,
-    concat_inputs,
     make_inputs,
     np_allowed,
     np_penalties,
     np_probs,
     run,
 )
+
+from ksana_jax import sampling
 
 DRAWS = 4000
 _rng = np.random.default_rng(1234)
@@ -75,22 +77,34 @@ def stat_oracle(logits, settings):
     return np_probs(penalized, settings["temperature"], **filters)
 
 
-@pytest.fixture(scope="module")
-def stat_draws():
-    """DRAWS samples per config, all configs in one call, every row its own seed and step."""
+@pytest.fixture(scope="module", params=[None, (4, 8)], ids=["sorted", "largest4-8"])
+def stat_draws(request):
+    """DRAWS samples per config, all configs in one call, every row its own seed and step:
+    over the whole vocabulary sorted (V = 16), or as XLA:CPU draws for a large one, among
+    the 4 or 8 largest logits where they hold every kept token (sampling.FILTER_PREFIXES)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param is not None:
+            patch.setattr(sampling, "FILTER_PREFIXES", request.param)
+        jax.clear_caches()  # the sampler is traced afresh under these sizes
+        yield draw_every_config()
+    jax.clear_caches()
+
+
+def draw_every_config():
+    """Each config's draws in a sampler call of their own (a batch's rows share its way:
+    one row keeping every token would draw every row's noise over the whole vocabulary)."""
     rng = np.random.default_rng(99)
-    parts, logits = [], []
-    for row_logits, settings in STAT_CONFIGS.values():
+    draws = {}
+    for name, (row_logits, settings) in STAT_CONFIGS.items():
         settings = dict(settings)
         history = settings.pop("history", None)
         if history is not None:
             history = np.tile(history, (DRAWS, 1))
         seeds = rng.choice(2**32, size=DRAWS, replace=False)
         steps = rng.integers(0, 5000, DRAWS)
-        parts.append(make_inputs(DRAWS, history, seeds=seeds, num_generated=steps, **settings))
-        logits.append(np.tile(row_logits, (DRAWS, 1)))
-    out = run(np.concatenate(logits), concat_inputs(parts))
-    return dict(zip(STAT_CONFIGS, out.token_ids.reshape(len(STAT_CONFIGS), DRAWS), strict=True))
+        rows = make_inputs(DRAWS, history, seeds=seeds, num_generated=steps, **settings)
+        draws[name] = run(np.tile(row_logits, (DRAWS, 1)), rows).token_ids
+    return draws
 
 
 @pytest.mark.parametrize("name", list(STAT_CONFIGS))
