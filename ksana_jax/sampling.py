@@ -161,7 +161,7 @@ def apply_penalties(logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts)
 
 
 # How many of the largest logits _filtered seeks a row's cut-offs among, in turn, before
-# sorting.
+# sorting the row.
 FILTER_PREFIXES = (256, 4096)
 
 
@@ -174,12 +174,13 @@ def _filtered(logits: jax.Array, s: SamplingInputs, use):
     from the logits in descending order. A GPU sorts the vocabulary and passes every token.
     XLA:CPU sorts far slower than its top_k finds the largest few hundred
     (benchmarks/sampler.py), so elsewhere the cut-offs are sought among the largest
-    FILTER_PREFIXES[0] logits (where a peaked distribution's nucleus lies), then among the
-    next size's, and only a batch with a row whose cut-off lies past them all sorts
-    (lax.conds: exact either way). Where every row's kept tokens lie among those largest,
-    only they are passed: the noise is then drawn for n tokens, not V. A batch where no row
-    has top-k or top-p needs no order at all (min-p reads the max). Greedy rows (temperature
-    0) take no part in the choice: their draw is not used.
+    FILTER_PREFIXES[0] logits (where a peaked distribution's nucleus lies); a row whose
+    cut-off lies past them seeks it alone, among its largest of the next size, and only such
+    a row whose cut-off lies past them all sorts, alone (lax.conds: exact either way). Where
+    every row's kept tokens lie among its largest FILTER_PREFIXES[0], only those are passed:
+    the noise is then drawn for them, not for V. A batch where no row has top-k or top-p
+    needs no order at all (min-p reads the max). Greedy rows (temperature 0) take no part in
+    the choice: their draw is not used.
     """
     logits = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     vocab = logits.shape[1]
@@ -199,30 +200,47 @@ def _filtered(logits: jax.Array, s: SamplingInputs, use):
 
 def _among_largest(logits: jax.Array, s: SamplingInputs, sizes: tuple[int, ...], use, everything):
     """_filtered's search for scaled `logits`: each row's cut-offs among its largest sizes[0]
-    logits where every row's lie there, else (a lax.cond) among sizes[1:]'s, else from the
-    sorted rows. Found, the candidates are those largest where every row keeps no more (a
-    row keeps all its logits >= its threshold, ties included), else every token."""
-    if not sizes:
+    logits; those of the rows whose cut-offs lie past them, one row at a time (a lax.cond:
+    such rows are few), among its largest sizes[1:], else from its sorted logits. The
+    candidates are those largest where every row keeps no more (a row keeps all its logits
+    >= its threshold, ties included), else every token."""
+    if not sizes:  # a vocabulary no larger than the smallest size: every row sorted
         return everything(_sorted_cutoff(logits, s))
     largest, ids = jax.lax.top_k(logits, sizes[0])
     threshold, found = _cutoff(logits, largest, s)
-    greedy = s.temperature == 0.0
+    found |= s.temperature == 0.0
 
     def candidates(threshold):
         kept = jnp.sum(logits >= threshold, axis=-1)
         return jax.lax.cond(
-            jnp.all((kept <= sizes[0]) | greedy),
+            jnp.all((kept <= sizes[0]) | (s.temperature == 0.0)),
             lambda t: use(jnp.where(largest >= t, largest, -jnp.inf), ids),
             everything,
             threshold,
         )
 
-    return jax.lax.cond(
-        jnp.all(found | greedy),
-        candidates,
-        lambda _: _among_largest(logits, s, sizes[1:], use, everything),
-        threshold,
-    )
+    def row_by_row(threshold):
+        order = jnp.nonzero(~found, size=found.shape[0], fill_value=0)[0]
+
+        def seek(i, threshold):
+            row = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, order[i], 1), (logits, s))
+            cutoff = _row_cutoff(*row, sizes[1:])
+            return jax.lax.dynamic_update_slice_in_dim(threshold, cutoff, order[i], 0)
+
+        return everything(jax.lax.fori_loop(0, jnp.sum(~found), seek, threshold))
+
+    return jax.lax.cond(jnp.all(found), candidates, row_by_row, threshold)
+
+
+def _row_cutoff(logits: jax.Array, s: SamplingInputs, sizes: tuple[int, ...]) -> jax.Array:
+    """One row's least kept logit f32[1, 1] (`logits` f32[1, V]): sought among its largest
+    sizes[0], then sizes[1:] (lax.conds), else read from its sorted logits. XLA:CPU sorts
+    one row in about 1/S of the time it sorts S, and takes a top_k of 4,096 in 1/7 of a
+    row's sort (benchmarks/sampler.py)."""
+    if not sizes:
+        return _sorted_cutoff(logits, s)
+    threshold, found = _cutoff(logits, jax.lax.top_k(logits, sizes[0])[0], s)
+    return jax.lax.cond(found[0], lambda: threshold, lambda: _row_cutoff(logits, s, sizes[1:]))
 
 
 def _sorted_cutoff(logits: jax.Array, s: SamplingInputs) -> jax.Array:
