@@ -5,9 +5,10 @@ products, LM head, attention, norms, rope, KV write, ...), averaged over the dec
 
     python benchmarks/cpu_step_profile.py [--tokens 64] [--trace-dir DIR] [--quantization int4]
 
-The trace's thunk events run on XLA's executing thread; the table sums their durations per
-step (busy) and the gaps between them inside the step. What lies between two steps (the
-host's work and its wake-up) is printed apart. On a shared machine, read shares, not ms.
+Each thunk event names its program and run (a decode step runs the forward, then the
+sampler); the table sums their durations per step (busy) and the gaps inside each run, and
+prints apart the device's idle time before each step's forward (the host's dispatch, a
+wake-up) and before its other programs. On a shared machine, read shares, not ms.
 
 Last, the host's side of a step's launch: the CPU time the engine's thread spends in the
 jitted forward call itself (JAX's C++ dispatch: a pytree flatten, a signature and a PjRt
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
-import itertools
 import json
 import re
 import statistics
@@ -80,44 +80,66 @@ def thunk_events(trace_dir: Path) -> list[dict]:
 
 
 def table(events: list[dict]) -> None:
-    # The LM head is the longest ffi call that runs once a step.
-    calls = collections.Counter(e["name"] for e in events if e["name"].startswith("ffi_call"))
-    steps = max(calls.values())
-    durations = collections.Counter()
+    """Each thunk belongs to one run of one program (its `hlo_module` and `run_id`): a decode
+    step is a run of the forward, then one of the sampler (the first pair is the prefill's)."""
+    runs = collections.defaultdict(list)
     for e in events:
-        if calls.get(e["name"], 0) >= steps - 1:
-            durations[e["name"]] += e["dur"]
+        args = e.get("args", {})
+        if "hlo_module" in args:
+            runs[args["hlo_module"], args["run_id"]].append(e)
+    programs = collections.defaultdict(list)  # module -> its runs' thunks, in time order
+    for (module, _), thunks in runs.items():
+        programs[module].append(sorted(thunks, key=lambda e: e["ts"]))
+    for module_runs in programs.values():
+        module_runs.sort(key=lambda thunks: thunks[0]["ts"])
+    forward = next(m for m in programs if "forward" in m)
+    steps = programs[forward][1:]
+    n = len(steps)
+    # The LM head is the longest ffi call that runs once a step.
+    calls = collections.Counter(e["name"] for run in steps for e in run)
+    durations = collections.Counter()
+    for run in steps:
+        for e in run:
+            if e["name"].startswith("ffi_call") and calls[e["name"]] == n:
+                durations[e["name"]] += e["dur"]
     lm_head = durations.most_common(1)[0][0]
-    heads = [e for e in events if e["name"] == lm_head]
     busy, count = collections.Counter(), collections.Counter()
-    inside_gaps = between = 0.0
-    for a, b in itertools.pairwise(heads):
-        thunks = [
-            e for e in events if a["ts"] + a["dur"] <= e["ts"] <= b["ts"] and e["tid"] == b["tid"]
-        ]
-        # The widest gap separates step a's sampler from step b's first thunk.
-        cut = max(
-            range(1, len(thunks)),
-            key=lambda i: thunks[i]["ts"] - thunks[i - 1]["ts"] - thunks[i - 1]["dur"],
-        )
-        between += thunks[cut]["ts"] - thunks[cut - 1]["ts"] - thunks[cut - 1]["dur"]
-        for e in thunks[:cut]:
-            busy["sampler (after the LM head)"] += e["dur"]
-            count["sampler (after the LM head)"] += 1
-        previous = ""
-        for i, e in enumerate(thunks[cut:], cut):
-            name = category(e["name"], previous, lm_head)
-            busy[name] += e["dur"]
-            count[name] += 1
-            previous = e["name"]
-            if i > cut:
-                inside_gaps += max(0.0, e["ts"] - thunks[i - 1]["ts"] - thunks[i - 1]["dur"])
-    n = len(heads) - 1
+    inside_gaps = 0.0
+    first_step = steps[0][0]["ts"]
+    for module, module_runs in programs.items():
+        for run in module_runs:
+            if run[0]["ts"] < first_step:
+                continue  # the prefill's
+            previous = ""
+            for i, e in enumerate(run):
+                if module == forward:
+                    name = category(e["name"], previous, lm_head)
+                elif "sample" in module:
+                    name = "sampler"
+                else:
+                    name = f"other program ({module})"
+                busy[name] += e["dur"]
+                count[name] += 1
+                previous = e["name"]
+                if i:
+                    inside_gaps += max(0.0, e["ts"] - run[i - 1]["ts"] - run[i - 1]["dur"])
+    # Idle: from the end of the programs run before one to its first thunk (before a step's
+    # forward: the host's dispatch and the wake-up; before its sampler: a wake-up).
+    ordered = sorted(
+        (r for module_runs in programs.values() for r in module_runs if r[0]["ts"] >= first_step),
+        key=lambda r: r[0]["ts"],
+    )
+    idle = collections.Counter()
+    done = steps[0][-1]["ts"] + steps[0][-1]["dur"]
+    for run in ordered[1:]:
+        idle["forward" if run in steps else "other"] += max(0.0, run[0]["ts"] - done)
+        done = max(done, max(e["ts"] + e["dur"] for e in run))
     total = sum(busy.values())
     print(
         f"{n} decode steps: thunks {total / n / 1e3:.2f} ms a step busy, "
-        f"{inside_gaps / n / 1e3:.2f} ms of gaps between them, "
-        f"{between / n / 1e3:.2f} ms between steps (host, wake-up)"
+        f"{inside_gaps / n / 1e3:.2f} ms of gaps between them inside each program run; "
+        f"idle {idle['forward'] / (n - 1) / 1e3:.2f} ms before each forward (dispatch, "
+        f"wake-up), {idle['other'] / (n - 1) / 1e3:.2f} ms before the step's other programs"
     )
     print(f"| {'category':30s} | ms/step | thunks/step | share |")
     for name, us in busy.most_common():

@@ -114,6 +114,17 @@ class InFlight(NamedTuple):
     drafted: bool = False  # a draft model proposed: the host reads the proposals
 
 
+def _fetched(step: InFlight) -> list[jax.Array]:
+    """The device arrays `ModelRunner.fetch` reads of a dispatched step."""
+    out, scored, proposals = step.out
+    arrays = [out if step.logprobs else out.token_ids]
+    if step.drafted:
+        arrays.append(proposals)
+    if step.num_scored:
+        arrays.append(scored)
+    return arrays
+
+
 def _bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
     for b in buckets:
         if n <= b:
@@ -378,12 +389,18 @@ class ModelRunner:
     def finish_dispatch(self, step: Forwarding) -> InFlight:
         """Dispatches the sampling program of a step `dispatch` began: its constrained rows'
         token bitmasks are filled now, from their grammars (up to date once the step before
-        is fetched), while the forward runs on the device."""
+        is fetched), while the forward runs on the device. What `fetch` will read is copied
+        to the host as soon as it is computed: asked for only at the fetch, XLA:CPU queued the
+        copy behind the step dispatched meanwhile (async scheduling's next forward), so the
+        host waited for that step too before dispatching the one after it."""
         masks = None
         if step.constrained:
             masks = self.batch.bitmasks(step.chunks, step.forwarded.logits.shape[0])
         out = self.sample(step.forwarded, masks, step.sampler, step.num_scored)
-        return InFlight(out, step.num_rows, step.logprobs, step.num_scored, step.drafted)
+        in_flight = InFlight(out, step.num_rows, step.logprobs, step.num_scored, step.drafted)
+        for array in jax.tree.leaves(_fetched(in_flight)):
+            array.copy_to_host_async()
+        return in_flight
 
     @staticmethod
     def fetch(
