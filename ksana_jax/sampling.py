@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -164,8 +165,11 @@ def apply_penalties(logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts)
 # sorting the row.
 FILTER_PREFIXES = (256, 4096)
 
+# What _filtered hands its candidates to: (values f32[S, n], ids i32[S, n] or None) -> result.
+Candidates = Callable[[jax.Array, jax.Array | None], jax.Array]
 
-def _filtered(logits: jax.Array, s: SamplingInputs, use):
+
+def _filtered(logits: jax.Array, s: SamplingInputs, use: Candidates) -> jax.Array:
     """`use(values, ids)` on the fewest candidates that hold every sampling row's kept
     tokens: values f32[S, n] the temperature-scaled logits of the token ids i32[S, n], those
     outside top-k / top-p / min-p at -inf; ids None means every token (n = V, in id order).
@@ -185,7 +189,7 @@ def _filtered(logits: jax.Array, s: SamplingInputs, use):
     logits = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     vocab = logits.shape[1]
 
-    def everything(threshold):
+    def everything(threshold: jax.Array) -> jax.Array:
         return use(jnp.where(logits >= threshold, logits, -jnp.inf), None)
 
     if branches_cost_a_sync():
@@ -198,7 +202,13 @@ def _filtered(logits: jax.Array, s: SamplingInputs, use):
     )
 
 
-def _among_largest(logits: jax.Array, s: SamplingInputs, sizes: tuple[int, ...], use, everything):
+def _among_largest(
+    logits: jax.Array,
+    s: SamplingInputs,
+    sizes: tuple[int, ...],
+    use: Candidates,
+    everything: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
     """_filtered's search for scaled `logits`: each row's cut-offs among its largest sizes[0]
     logits; those of the rows whose cut-offs lie past them, one row at a time (a lax.cond:
     such rows are few), among its largest sizes[1:], else from its sorted logits. The
