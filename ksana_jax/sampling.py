@@ -218,12 +218,13 @@ def _among_largest(
         return everything(_sorted_cutoff(logits, s))
     largest, ids = jax.lax.top_k(logits, sizes[0])
     threshold, found = _cutoff(logits, largest, s)
-    found |= s.temperature == 0.0
+    greedy = s.temperature == 0.0  # a greedy row's draw is not used: it needs nothing
+    found |= greedy
 
     def candidates(threshold):
         kept = jnp.sum(logits >= threshold, axis=-1)
         return jax.lax.cond(
-            jnp.all((kept <= sizes[0]) | (s.temperature == 0.0)),
+            jnp.all((kept <= sizes[0]) | greedy),
             lambda t: use(jnp.where(largest >= t, largest, -jnp.inf), ids),
             everything,
             threshold,
