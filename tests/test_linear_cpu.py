@@ -223,8 +223,9 @@ def test_a_header_the_kernel_includes_is_part_of_its_build_key(tmp_path, monkeyp
     (tmp_path / "b.h").write_text("int b = 2;\n")
     assert cpu_build._source_bytes(source) != key
     real = cpu_build._source_bytes(linear_cpu.SOURCE)
-    # linear_cpu.cc, cpu_pool.h, linear_cpu_common.h, linear_cpu_quant.h, linear_cpu_avx2.h
-    assert len(real) == 5
+    # linear_cpu.cc, cpu_pool.h, linear_cpu_common.h, cpu_simd.h, linear_cpu_quant.h,
+    # linear_cpu_avx2.h
+    assert len(real) == 6
 
 
 POOL_SCRIPT = """
@@ -265,3 +266,53 @@ def test_work_sharing_gives_the_reference_on_either_pool_and_one_pool_serves_bot
     assert result["error"] < 1e-5, result
     assert result["pool_threads"] == (result["cores"] - 1 if spin_us != "0" else 0), result
     assert result["pools"] == 1, result
+
+
+ATTENTION_SHARING_SCRIPT = """
+import ctypes, json, os
+import jax, jax.numpy as jnp, numpy as np
+from ksana_jax.kv_cache import float_kv
+from ksana_jax.pallas_kernels import cpu_build, linear_cpu, reference
+from ksana_jax.pallas_kernels import ragged_paged_attention_cpu as attention_cpu
+from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
+linear_cpu.PARALLEL_BYTES = 0  # each product shares its work: the pool spins after it
+rng = np.random.default_rng(0)
+kv_heads, group, head_dim, page_size, pages = 2, 3, 64, 16, 24
+rows = [37, 100, 5]  # cached tokens of decode rows, one new token each
+page_table = rng.permutation(np.arange(1, pages))[: 3 * 7].reshape(3, 7).astype(np.int32)
+args = (
+    jnp.asarray(rng.standard_normal((3, kv_heads * group, head_dim)), jnp.float32),
+    jnp.asarray(rng.standard_normal((3, kv_heads, head_dim)), jnp.float32),
+    jnp.asarray(rng.standard_normal((3, kv_heads, head_dim)), jnp.float32),
+    float_kv(jnp.asarray(rng.standard_normal((1, 2, kv_heads, pages, page_size, head_dim)),
+                         jnp.float32)),
+    jnp.int32(0),
+    jnp.asarray(page_table),
+    jnp.asarray([c + 1 for c in rows], jnp.int32),
+    jnp.asarray([0, 1, 2, 3], jnp.int32),
+)
+spec = AttentionSpec(head_dim**-0.5)
+w = jnp.asarray(rng.standard_normal((512, 64)), jnp.bfloat16)
+
+@jax.jit
+def step(x, q, *rest):
+    y = linear_cpu.linear(x, w)  # leaves the pool spinning
+    return attention_cpu.ragged_paged_attention(q + 0 * y[0, 0], *rest, spec=spec)
+
+want = np.asarray(reference.ragged_paged_attention(*args, spec=spec))
+x = jnp.ones((1, 64), jnp.float32)
+error = max(float(np.max(np.abs(np.asarray(step(x, *args)) - want))) for _ in range(50))
+library = ctypes.CDLL(str(cpu_build.library_path(attention_cpu.SOURCE)))
+library.KsanaAttentionSmallItemsShared.restype = ctypes.c_int64
+print(json.dumps({"error": error, "shared": library.KsanaAttentionSmallItemsShared(),
+                  "cores": len(os.sched_getaffinity(0))}))
+"""
+
+
+def test_small_attention_steps_share_the_awake_pool():
+    """ragged_paged_attention_cpu.cc: a decode step too small for XLA's pool (6 items here)
+    hands its items to the kernels' pool when a product before it left the pool spinning;
+    the results still equal the oracle's, and the pool's thread ran some of the items."""
+    result = run_on_cpu_devices(ATTENTION_SHARING_SCRIPT, devices=1)
+    assert result["error"] < 1e-5, result
+    assert result["shared"] > 0 or result["cores"] == 1, result

@@ -57,6 +57,10 @@ class SpinPool {
 
   bool enabled() const { return spin_ns_ > 0 && !threads_.empty(); }
 
+  // Whether the pool's threads are spinning (none asleep): a call handed to them now starts
+  // within microseconds, not after a wake.
+  bool awake() const { return enabled() && sleeping_.load(std::memory_order_relaxed) == 0; }
+
   // The threads a call runs on: the pool's and the caller.
   int64_t workers() const { return static_cast<int64_t>(threads_.size()) + 1; }
 

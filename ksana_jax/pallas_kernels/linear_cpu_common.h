@@ -17,6 +17,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_simd.h"
+
 namespace ksana_linear_cpu {
 
 
@@ -123,33 +125,6 @@ inline float f16_to_f32(uint16_t h) {
 }
 
 #if defined(__AVX512F__)
-// The lane sums of 16 vectors as the lanes of one vector, in order: a transposing tree of 15
-// adds (unpacks and 128-bit shuffles between them), where 16 separate reductions take ~130
-// instructions -- at 16+ rows, a third of a [4, 4] tile's time over 576 columns. The vectors
-// come by value: an accumulator whose address is taken is stored to the stack at every step
-// of the loop that sums into it (GCC 12).
-__attribute__((always_inline)) inline __m512 lane_sums16(
-    __m512 v0, __m512 v1, __m512 v2, __m512 v3, __m512 v4, __m512 v5, __m512 v6, __m512 v7,
-    __m512 v8, __m512 v9, __m512 v10, __m512 v11, __m512 v12, __m512 v13, __m512 v14,
-    __m512 v15) {
-  auto pair = [](__m512 a, __m512 b) {  // lanes [a0+a2, b0+b2, a1+a3, b1+b3] per 128 bits
-    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  };
-  auto quad = [](__m512 a, __m512 b) {
-    const __m512d lo = _mm512_castps_pd(a), hi = _mm512_castps_pd(b);
-    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
-  };
-  auto halves = [](__m512 a, __m512 b) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-  };
-  const __m512 b0 = quad(pair(v0, v1), pair(v2, v3)), b1 = quad(pair(v4, v5), pair(v6, v7));
-  const __m512 b2 = quad(pair(v8, v9), pair(v10, v11));
-  const __m512 b3 = quad(pair(v12, v13), pair(v14, v15));
-  return halves(halves(b0, b1), halves(b2, b3));
-}
-
 // out[r * C + c] = the sum of v[r][c]'s lanes (a register tile's accumulators), by
 // lane_sums16 for any tile of up to 16 (zeros for the rest): reducing each accumulator on
 // its own took the array's address, and GCC 12 then stored every accumulator to the stack at
@@ -161,8 +136,9 @@ __attribute__((always_inline)) inline void store_lane_sums(const __m512 (&v)[R][
   static_assert(R * C <= 16, "one vector of sums");
   const __m512 zero = _mm512_setzero_ps();
   auto at = [&](int i) { return i < R * C ? v[i / C][i % C] : zero; };
-  const __m512 sums = lane_sums16(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7),
-                                  at(8), at(9), at(10), at(11), at(12), at(13), at(14), at(15));
+  const __m512 sums =
+      ksana_cpu_simd::lane_sums16(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8),
+                                  at(9), at(10), at(11), at(12), at(13), at(14), at(15));
   if constexpr (R * C == 16) _mm512_storeu_ps(out, sums);
   else _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << (R * C)) - 1), sums);
 }

@@ -34,9 +34,11 @@
 // `scales` (a placeholder) and take k_new / v_new in their own dtype.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #if defined(__F16C__) || defined(__AVX512F__)
@@ -44,6 +46,7 @@
 #endif
 
 #include "cpu_pool.h"
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -130,12 +133,26 @@ inline void load_row(Kind kind, const void* src, float* dst, int n, float scale 
       return;
     case Kind::kBF16: {
       const uint16_t* s = static_cast<const uint16_t*>(src);
-      for (int i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+      int i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= n; i += 16) {
+        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(
+                                      _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+      }
+#endif
+      for (; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
       return;
     }
     case Kind::kF16: {
       const uint16_t* s = static_cast<const uint16_t*>(src);
       int i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= n; i += 16) {
+        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(half));
+      }
+#endif
 #if defined(__F16C__)
       for (; i + 8 <= n; i += 8) {
         const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
@@ -168,6 +185,51 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, 4);
   return p * scale;
 }
+
+#if defined(__AVX512F__)
+// exp_nonpositive of 16 lanes: the same steps, one lane each.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 shifter = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), shifter), shifter);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// A decode query's scores against a tile's keys [width, kHeadDim] (float32, stride
+// kHeadDim): a vector of partial products per key, the 16 reduced at once (lane_sums16) --
+// a reduction per key, as a dot product each took, was most of a decode item's time.
+// Lanes past `width` are 0.
+template <int kHeadDim>
+inline __m512 tile_scores(const float* q, const float* keys, int width) {
+  constexpr int kVecs = kHeadDim / 16;
+  __m512 qv[kVecs], part[kTile];
+#pragma GCC unroll 16
+  for (int v = 0; v < kVecs; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
+#pragma GCC unroll 16
+  for (int j = 0; j < kTile; ++j) {
+    part[j] = _mm512_setzero_ps();
+    if (j >= width) continue;
+#pragma GCC unroll 16
+    for (int v = 0; v < kVecs; ++v)
+      part[j] = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(keys + j * kHeadDim + 16 * v), part[j]);
+  }
+  return ksana_cpu_simd::lane_sums16(part[0], part[1], part[2], part[3], part[4], part[5],
+                                     part[6], part[7], part[8], part[9], part[10], part[11],
+                                     part[12], part[13], part[14], part[15]);
+}
+#endif
 
 struct Problem {
   Kind kind, new_kind;          // of the pages; of k_new / v_new
@@ -273,14 +335,16 @@ void attend(const Problem& pb, const Item& item) {
   const int64_t values_base = ((pb.layer * 2 + 1) * K + item.kv_head) * head_elems;
 
   // Rows packed at stride H (a power-of-two stride of 1 KB would pile every row into the
-  // same few L1 sets).
+  // same few L1 sets); the values kLanePad floats past the keys' end, so that a value row is
+  // not 4 KiB (H = 64) from its key row (a store and a later load 4 KiB apart stall).
+  constexpr int64_t kLanePad = 16;
   thread_local std::vector<float> scratch;
-  scratch.resize((2 * kMaxQueries + 3 * kTile) * H);
-  float* queries = scratch.data();          // [num_queries, H], pre-scaled
-  float* acc = queries + kMaxQueries * H;   // [num_queries, H]
-  float* keys = acc + kMaxQueries * H;      // [kTile, H]
-  float* values = keys + kTile * H;         // [kTile, H]
-  float* keys_t = values + kTile * H;       // [H, kTile]
+  scratch.resize((2 * kMaxQueries + 3 * kTile) * H + 2 * kLanePad);
+  float* queries = scratch.data();                     // [num_queries, H], pre-scaled
+  float* acc = queries + kMaxQueries * H;              // [num_queries, H]
+  float* keys = acc + kMaxQueries * H;                 // [kTile, H]
+  float* values = keys + kTile * H + kLanePad;         // [kTile, H]
+  float* keys_t = values + kTile * H + kLanePad;       // [H, kTile]
   float running_max[kMaxQueries], denominator[kMaxQueries];
   int32_t query_pos[kMaxQueries], query_lo[kMaxQueries];  // sees positions lo .. pos
 
@@ -297,19 +361,25 @@ void attend(const Problem& pb, const Item& item) {
   }
   const int32_t last = item.last;
 
-  // Position pos's keys (which 0) or values (1) into dst [H] as float32.
-  auto load_position = [&](int32_t pos, int which, float* dst) {
+  // Positions [pos, pos + n) -- cached ones in one page, or new ones -- of the keys
+  // (which 0) or values (1) into dst [n, H] as float32. A page's rows are adjacent: one
+  // conversion for a float page's run.
+  auto load_positions = [&](int32_t pos, int n, int which, float* dst) {
     if (pos < num_cached) {
       const int64_t page = table[pos / pb.page_size];
       const int64_t row = (which ? values_base : keys_base) / H + page * pb.page_size +
                           pos % pb.page_size;  // the row's index among [L, 2, K, pages, ps]
-      const float scale = pb.scales != nullptr ? pb.scales[row] : 1.0f;
-      load_row(pb.kind, pb.kv + row * H * pb.itemsize, dst, H, scale);
+      const char* src = pb.kv + row * H * pb.itemsize;
+      if (pb.scales == nullptr) return load_row(pb.kind, src, dst, static_cast<int>(n * H));
+      for (int j = 0; j < n; ++j)
+        load_row(pb.kind, src + j * H * pb.itemsize, dst + j * H, H, pb.scales[row + j]);
       return;
     }
     const int64_t token = start + (pos - num_cached);
     const char* base = which ? pb.v_new : pb.k_new;
-    load_row(pb.new_kind, base + ((token * K + item.kv_head) * H) * pb.new_itemsize, dst, H);
+    for (int j = 0; j < n; ++j)
+      load_row(pb.new_kind, base + (((token + j) * K + item.kv_head) * H) * pb.new_itemsize,
+               dst + j * H, H);
   };
 
   // Positions of the tile that query i sees: [from, to), empty when from >= to.
@@ -338,6 +408,20 @@ void attend(const Problem& pb, const Item& item) {
       lo_j = std::min(lo_j, from);
       hi_j = std::max(hi_j, to);
       float* pr = p[r];
+#if defined(__AVX512F__)
+      if (cap == 0.0f) {  // the loops below, 16 lanes at a time (p is 64-byte aligned)
+        const __mmask16 lanes = static_cast<__mmask16>(((1u << to) - 1) & ~((1u << from) - 1));
+        const __m512 scores = _mm512_load_ps(pr);
+        const float new_max = std::max(running_max[i], _mm512_mask_reduce_max_ps(lanes, scores));
+        rescale[r] = exp_nonpositive(running_max[i] - new_max);
+        const __m512 weights = _mm512_maskz_mov_ps(
+            lanes, exp_nonpositive16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+        _mm512_store_ps(pr, weights);
+        denominator[i] = denominator[i] * rescale[r] + _mm512_reduce_add_ps(weights);
+        running_max[i] = new_max;
+        continue;
+      }
+#endif
       if (cap > 0.0f) {
         for (int j = from; j < to; ++j) pr[j] = cap * std::tanh(pr[j] / cap);
       }
@@ -356,8 +440,14 @@ void attend(const Problem& pb, const Item& item) {
       running_max[i] = new_max;
     }
     if (lo_j >= hi_j) return;  // no query of the block sees this tile
-    accumulate<kHeadDim, kPvRows>(acc + static_cast<int64_t>(first) * H, rows, H, values, p,
-                                  rescale, lo_j, hi_j);
+    float* block_acc = acc + static_cast<int64_t>(first) * H;
+    switch (rows) {  // a register tile of the block's own rows (a GQA group of 3: no 4th)
+      case 1: return accumulate<kHeadDim, 1>(block_acc, 1, H, values, p, rescale, lo_j, hi_j);
+      case 2: return accumulate<kHeadDim, 2>(block_acc, 2, H, values, p, rescale, lo_j, hi_j);
+      case 3: return accumulate<kHeadDim, 3>(block_acc, 3, H, values, p, rescale, lo_j, hi_j);
+      default:
+        return accumulate<kHeadDim, kPvRows>(block_acc, rows, H, values, p, rescale, lo_j, hi_j);
+    }
   };
 
   // Prefill items (many queries) score a tile as a small matrix product against the tile's
@@ -368,9 +458,15 @@ void attend(const Problem& pb, const Item& item) {
   for (int32_t tile_start = item.lo; tile_start <= last; tile_start += kTile) {
     const int width = std::min<int32_t>(kTile, last + 1 - tile_start);
     // Phase 1: this tile's keys and values, in float32.
-    for (int j = 0; j < width; ++j) {
-      load_position(tile_start + j, 0, keys + j * H);
-      load_position(tile_start + j, 1, values + j * H);
+    for (int j = 0; j < width;) {  // runs of a page (or of new tokens)
+      const int32_t pos = tile_start + j;
+      const int n = pos < num_cached
+                        ? std::min({width - j, num_cached - pos,
+                                    static_cast<int>(pb.page_size - pos % pb.page_size)})
+                        : width - j;
+      load_positions(pos, n, 0, keys + j * H);
+      load_positions(pos, n, 1, values + j * H);
+      j += n;
     }
     // Phase 2: scores, kPvRows queries at a time, then phase 3: absorb them.
     if (transposed) {
@@ -395,6 +491,12 @@ void attend(const Problem& pb, const Item& item) {
           int from, to;
           if (!seen(block + r, tile_start, width, &from, &to)) continue;
           const float* qi = queries + (block + r) * H;
+#if defined(__AVX512F__)
+          if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // every key; absorb masks
+            _mm512_store_ps(scores[r], tile_scores<kHeadDim>(qi, keys, width));
+            continue;
+          }
+#endif
           for (int j = from; j < to; ++j) {
             const float* kj = keys + j * H;
             float dot = 0.0f;
@@ -424,6 +526,9 @@ void attend_any(const Problem& pb, const Item& item) {
   }
 }
 
+// Items of small steps that a pool thread ran (KsanaAttentionSmallItemsShared: tests).
+std::atomic<int64_t> small_items_shared{0};
+
 // Runs every item on the caller and the pool's threads (cpu_pool.h), or on the caller alone
 // for a small step.
 void run_items(ffi::ThreadPool& pool, const Problem& pb, const std::vector<Item>& items) {
@@ -431,6 +536,25 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb, const std::vector<Item>
   int64_t amount = 0;
   for (const Item& item : items) amount += int64_t{item.last - item.lo + 1} * item.count * group;
   if (amount < kParallelWork) {
+    // A batch-1 decode step's few items share the kernels' spinning pool when the linear
+    // kernel's products around them keep it awake (cpu_pool.h): no wake to pay, and it
+    // would spin idle otherwise. A sleeping pool is left asleep.
+    ksana_cpu_pool::SpinPool& spin_pool = ksana_cpu_pool::SpinPool::get();
+    if (items.size() > 1 && spin_pool.awake()) {
+      struct Call {
+        const Problem* pb;
+        const std::vector<Item>* items;
+        std::thread::id caller;
+      } call{&pb, &items, std::this_thread::get_id()};
+      auto run = [](void* ctx, int64_t i) {
+        const Call* c = static_cast<const Call*>(ctx);
+        attend_any(*c->pb, (*c->items)[i]);
+        if (std::this_thread::get_id() != c->caller)
+          small_items_shared.fetch_add(1, std::memory_order_relaxed);
+      };
+      if (spin_pool.try_run(static_cast<int64_t>(items.size()), run, &call, /*spin=*/true))
+        return;
+    }
     for (const Item& item : items) attend_any(pb, item);
     return;
   }
@@ -539,6 +663,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
 }
 
 }  // namespace
+
+// How many items of small steps a thread of the kernels' pool ran so far (tests read it).
+extern "C" int64_t KsanaAttentionSmallItemsShared() { return small_items_shared.load(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaRaggedPagedAttentionCpu, Attention,
                               ffi::Ffi::Bind()
