@@ -303,8 +303,8 @@ want = np.asarray(reference.ragged_paged_attention(*args, spec=spec))
 x = jnp.ones((1, 64), jnp.float32)
 error = max(float(np.max(np.abs(np.asarray(step(x, *args)) - want))) for _ in range(50))
 library = ctypes.CDLL(str(cpu_build.library_path(attention_cpu.SOURCE)))
-library.KsanaAttentionSmallItemsShared.restype = ctypes.c_int64
-print(json.dumps({"error": error, "shared": library.KsanaAttentionSmallItemsShared(),
+library.KsanaAttentionItemsShared.restype = ctypes.c_int64
+print(json.dumps({"error": error, "shared": library.KsanaAttentionItemsShared(),
                   "cores": len(os.sched_getaffinity(0))}))
 """
 

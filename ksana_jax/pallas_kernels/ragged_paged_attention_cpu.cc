@@ -526,42 +526,31 @@ void attend_any(const Problem& pb, const Item& item) {
   }
 }
 
-// Items of small steps that a pool thread ran (KsanaAttentionSmallItemsShared: tests).
-std::atomic<int64_t> small_items_shared{0};
+// Items a thread other than the call's ran (KsanaAttentionItemsShared: tests read it).
+std::atomic<int64_t> items_shared{0};
 
 // Runs every item on the caller and the pool's threads (cpu_pool.h), or on the caller alone
-// for a small step.
+// for a small step. The kernels' pool is awake when a product just before asked it to spin
+// (linear_cpu.cc at decode's few rows): then products follow this call too, so even a small
+// step's items go to it (no wake to pay; it would spin idle otherwise) and it keeps
+// spinning after. Asleep, a small step stays on the caller and a large one leaves the pool
+// asleep after it: XLA's multithreaded dots come next at the rows that make it large.
 void run_items(ffi::ThreadPool& pool, const Problem& pb, const std::vector<Item>& items) {
   const int64_t group = pb.num_heads / pb.num_kv_heads;
   int64_t amount = 0;
   for (const Item& item : items) amount += int64_t{item.last - item.lo + 1} * item.count * group;
-  if (amount < kParallelWork) {
-    // A batch-1 decode step's few items share the kernels' spinning pool when the linear
-    // kernel's products around them keep it awake (cpu_pool.h): no wake to pay, and it
-    // would spin idle otherwise. A sleeping pool is left asleep.
-    ksana_cpu_pool::SpinPool& spin_pool = ksana_cpu_pool::SpinPool::get();
-    if (items.size() > 1 && spin_pool.awake()) {
-      struct Call {
-        const Problem* pb;
-        const std::vector<Item>* items;
-        std::thread::id caller;
-      } call{&pb, &items, std::this_thread::get_id()};
-      auto run = [](void* ctx, int64_t i) {
-        const Call* c = static_cast<const Call*>(ctx);
-        attend_any(*c->pb, (*c->items)[i]);
-        if (std::this_thread::get_id() != c->caller)
-          small_items_shared.fetch_add(1, std::memory_order_relaxed);
-      };
-      if (spin_pool.try_run(static_cast<int64_t>(items.size()), run, &call, /*spin=*/true))
-        return;
-    }
+  const bool awake = ksana_cpu_pool::SpinPool::get().awake();
+  if (items.size() == 1 || (amount < kParallelWork && !awake)) {
     for (const Item& item : items) attend_any(pb, item);
     return;
   }
-  // No spinning after it: at the rows that make attention parallel, XLA's multithreaded
-  // dots come next (cpu_pool.h).
-  ksana_cpu_pool::run_on_pool(pool, static_cast<int64_t>(items.size()), /*spin=*/false,
-                              [&](int64_t i) { attend_any(pb, items[i]); });
+  const std::thread::id caller = std::this_thread::get_id();
+  ksana_cpu_pool::run_on_pool(pool, static_cast<int64_t>(items.size()), /*spin=*/awake,
+                              [&](int64_t i) {
+                                attend_any(pb, items[i]);
+                                if (std::this_thread::get_id() != caller)
+                                  items_shared.fetch_add(1, std::memory_order_relaxed);
+                              });
 }
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
@@ -664,8 +653,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
 
 }  // namespace
 
-// How many items of small steps a thread of the kernels' pool ran so far (tests read it).
-extern "C" int64_t KsanaAttentionSmallItemsShared() { return small_items_shared.load(); }
+// How many items a thread other than their call's ran so far (tests read it).
+extern "C" int64_t KsanaAttentionItemsShared() { return items_shared.load(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaRaggedPagedAttentionCpu, Attention,
                               ffi::Ffi::Bind()
