@@ -247,7 +247,7 @@ def main() -> None:
         model.load_state_dict(packed.state_dict())
         for batch in args.hf_batch:
             rows.append((f"transformers {dtype} batch {batch}", run_hf(model, requests, batch)))
-    best_hf = min(t for name, t in rows[1:])
+    best_hf = min((t for name, t in rows[1:]), default=None)  # none with --hf-batch alone
     if peer is not None:
         rows.insert(1, (f"vLLM-CPU {args.dtype}", peer["seconds"]))
 
@@ -262,7 +262,8 @@ def main() -> None:
     )
     print(f"{'system':<34}{'seconds':>9}{'tok/s':>9}{'vs best HF':>12}")
     for name, seconds in rows:
-        print(f"{name:<34}{seconds:>9.1f}{asked / seconds:>9.1f}{best_hf / seconds:>12.2f}")
+        versus = f"{best_hf / seconds:>12.2f}" if best_hf is not None else f"{'-':>12}"
+        print(f"{name:<34}{seconds:>9.1f}{asked / seconds:>9.1f}{versus}")
     if peer is not None:
         print(f"ksana-jax / vLLM-CPU: {peer['seconds'] / ours:.2f}x")
     if steps is not None:

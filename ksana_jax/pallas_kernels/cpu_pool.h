@@ -8,7 +8,9 @@
 // spinning for KSANA_JAX_CPU_SPIN_US (default 300) after a call that asks for it, so the next
 // call of the step finds them awake, then they sleep. A call followed by XLA's own
 // multithreaded work (attention between XLA's dots at many rows) does not ask: a spinning
-// thread would take a core from XLA's. KSANA_JAX_CPU_SPIN_US=0 hands all work to XLA's pool.
+// thread would take a core from XLA's. The attention kernel asks only when it finds the pool
+// awake (SpinPool::awake: a product before it asked), and then even its small steps share
+// the pool. KSANA_JAX_CPU_SPIN_US=0 hands all work to XLA's pool.
 //
 // One pool per process: SpinPool::get()'s static is a GNU unique symbol (g++ on ELF), which
 // the dynamic linker binds to one instance across both kernels' libraries though ctypes
