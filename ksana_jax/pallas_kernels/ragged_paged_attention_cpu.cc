@@ -533,24 +533,28 @@ std::atomic<int64_t> items_shared{0};
 // for a small step. The kernels' pool is awake when a product just before asked it to spin
 // (linear_cpu.cc at decode's few rows): then products follow this call too, so even a small
 // step's items go to it (no wake to pay; it would spin idle otherwise) and it keeps
-// spinning after. Asleep, a small step stays on the caller and a large one leaves the pool
-// asleep after it: XLA's multithreaded dots come next at the rows that make it large.
+// spinning after (if another call holds it, a small step runs on the caller: XLA's pool
+// would cost a wake). Asleep, a small step stays on the caller and a large one leaves the
+// pool asleep after it: XLA's multithreaded dots come next at the rows that make it large.
 void run_items(ffi::ThreadPool& pool, const Problem& pb, const std::vector<Item>& items) {
   const int64_t group = pb.num_heads / pb.num_kv_heads;
   int64_t amount = 0;
   for (const Item& item : items) amount += int64_t{item.last - item.lo + 1} * item.count * group;
-  const bool awake = ksana_cpu_pool::SpinPool::get().awake();
-  if (items.size() == 1 || (amount < kParallelWork && !awake)) {
-    for (const Item& item : items) attend_any(pb, item);
+  const int64_t count = static_cast<int64_t>(items.size());
+  const std::thread::id caller = std::this_thread::get_id();
+  auto run = [&](int64_t i) {
+    attend_any(pb, items[i]);
+    if (std::this_thread::get_id() != caller) items_shared.fetch_add(1, std::memory_order_relaxed);
+  };
+  ksana_cpu_pool::SpinPool& spin_pool = ksana_cpu_pool::SpinPool::get();
+  const bool awake = spin_pool.awake();
+  if (amount < kParallelWork || count == 1) {  // the awake pool or the caller, never XLA's
+    auto call = [](void* ctx, int64_t i) { (*static_cast<decltype(run)*>(ctx))(i); };
+    if (count == 1 || !awake || !spin_pool.try_run(count, call, &run, /*spin=*/true))
+      for (int64_t i = 0; i < count; ++i) run(i);
     return;
   }
-  const std::thread::id caller = std::this_thread::get_id();
-  ksana_cpu_pool::run_on_pool(pool, static_cast<int64_t>(items.size()), /*spin=*/awake,
-                              [&](int64_t i) {
-                                attend_any(pb, items[i]);
-                                if (std::this_thread::get_id() != caller)
-                                  items_shared.fetch_add(1, std::memory_order_relaxed);
-                              });
+  ksana_cpu_pool::run_on_pool(pool, count, /*spin=*/awake, run);
 }
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
