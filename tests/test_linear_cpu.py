@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -325,3 +326,59 @@ def test_small_attention_steps_share_the_awake_pool():
         result = run_on_cpu_devices(ATTENTION_SHARING_SCRIPT, devices=1)
     assert result["error"] < 1e-5, result
     assert result["shared"] > 0 or result["cores"] == 1, result
+
+
+POOL_STRESS = r"""
+// SpinPool (cpu_pool.h) alone: jobs of 1 and 4 items back to back; each item must run once.
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include "cpu_pool.h"
+std::atomic<int> runs[4];
+int main(int argc, char** argv) {
+  auto& pool = ksana_cpu_pool::SpinPool::get();
+  if (!pool.enabled()) return 2;
+  auto fn = [](void*, int64_t i) { runs[i].fetch_add(1); };
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(atoi(argv[1]));
+  long jobs = 0;
+  while (std::chrono::steady_clock::now() < end) {
+    for (int k = 0; k < 1000; ++k, ++jobs) {
+      const int n = (k & 1) ? 1 : 4;
+      for (auto& r : runs) r.store(0);
+      pool.try_run(n, fn, nullptr, /*spin=*/true);
+      for (int i = 0; i < 4; ++i)
+        if (runs[i].load() != (i < n ? 1 : 0)) {
+          printf("job %ld of %d items: item %d ran %d times\n", jobs, n, i, runs[i].load());
+          return 1;
+        }
+    }
+  }
+  printf("%ld jobs\n", jobs);
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(not linear_cpu.available(), reason="no C++ compiler for the CPU kernels")
+def test_spin_pool_runs_each_item_once(tmp_path):
+    """cpu_pool.h under stress: jobs of 1 and 4 items back to back, the pool's thread
+    spinning between them. Each item must run exactly once and every call return. Before the
+    item count was tagged with its job, a pool thread still in a 1-item job could read the
+    next job's count, claim item 1 of the old job's claim word and run the new job's item 1 a
+    second time (its caller then waited for ever for one more than all its items): this
+    program failed within 2-3 s on the 2-core test machine."""
+    source = tmp_path / "pool_stress.cc"
+    source.write_text(POOL_STRESS)
+    binary = tmp_path / "pool_stress"
+    command = cpu_build._compile_command(source, binary)
+    command = [c for c in command if c not in ("-shared", "-fPIC")]
+    command.insert(-3, f"-I{linear_cpu.SOURCE.parent}")
+    subprocess.run([*command, "-pthread"], check=True, capture_output=True)
+    try:
+        run = subprocess.run([str(binary), "8"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a pool call never returned (an item counted done twice)")
+    if run.returncode == 2:
+        pytest.skip("one core: the pool has no thread of its own")
+    assert run.returncode == 0, run.stdout

@@ -73,7 +73,7 @@ class SpinPool {
     if (!call.owns_lock()) return false;
     const uint64_t g = generation_.load(std::memory_order_relaxed) + 1;
     fn_ = fn, ctx_ = ctx;
-    n_.store(n, std::memory_order_relaxed);
+    limit_.store(tag(g) | static_cast<uint64_t>(n), std::memory_order_relaxed);
     spin_.store(spin, std::memory_order_relaxed);
     finished_.store(0, std::memory_order_relaxed);
     next_.store(tag(g), std::memory_order_relaxed);
@@ -100,16 +100,23 @@ class SpinPool {
   }
 
   // A claim on job g's items: g's low 32 bits above the item index, so a thread that saw
-  // an older job claims nothing of a newer one.
+  // an older job claims nothing of a newer one. The item count is tagged the same way: a
+  // thread still in job g that read the next job's count beside g's claim word (stored
+  // before the next job's claim word) would claim an item past g's last -- the claim word
+  // still g's, its compare-exchange succeeds -- and run the next job's item and count it
+  // done a second time, so that job's caller waited for ever (seen: an engine hung after
+  // ~10^6 products; tests/test_linear_cpu.py's pool stress ran items twice in seconds).
   static uint64_t tag(uint64_t g) { return (g & 0xffffffffu) << 32; }
+  static constexpr uint64_t kIndex = 0xffffffffu;
 
   // Claims and runs job g's items until none is left.
   void work(uint64_t g) {
     uint64_t claim = next_.load(std::memory_order_relaxed);
     for (;;) {
-      if ((claim & ~uint64_t{0xffffffffu}) != tag(g)) return;
-      const int64_t i = static_cast<int64_t>(claim & 0xffffffffu);
-      if (i >= n_.load(std::memory_order_relaxed)) return;
+      if ((claim & ~kIndex) != tag(g)) return;
+      const uint64_t limit = limit_.load(std::memory_order_relaxed);
+      if ((limit & ~kIndex) != tag(g) || (claim & kIndex) >= (limit & kIndex)) return;
+      const int64_t i = static_cast<int64_t>(claim & kIndex);
       if (!next_.compare_exchange_weak(claim, claim + 1, std::memory_order_acq_rel)) continue;
       // Claimed an item of job g: g's caller waits for it, so fn_ and ctx_ are still g's.
       fn_(ctx_, i);
@@ -156,7 +163,7 @@ class SpinPool {
   std::atomic<int> sleeping_{0};
   void (*fn_)(void*, int64_t) = nullptr;
   void* ctx_ = nullptr;
-  std::atomic<int64_t> n_{0};
+  std::atomic<uint64_t> limit_{0};  // tag(g) | job g's item count
   std::atomic<bool> spin_{false};
 };
 
