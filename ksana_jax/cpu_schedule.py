@@ -8,11 +8,13 @@ core from a product, whose items then run on its caller alone. Ordered for one t
 chain's thunks run one after another and the kernels' pool has the other cores.
 
 Measured (2026-12-05, 2 cores, SmolLM2 from the demo checkpoint, one process per setting,
-taken in turn): int4 at 1 row decoding 128 tokens, median of 3 runs, 8 rounds: 185-197 tok/s
-with concurrency against 221-241 without, every round faster without. Neutral within this
-machine's noise: int4 at 16 rows (468-558 against 452-543), bfloat16 at 64 rows (534-640
-against 526-625) and at 1 row (88-109 against 95-102). The option is read from XLA_FLAGS
-only: `jax.jit(..., compiler_options=...)` naming it compiled the same program.
+taken in turn, 3 runs a process): int4 at 1 row decoding 128 tokens, 175-202 tok/s with
+concurrency (KSANA_JAX_SEQUENTIAL_CPU_SCHEDULE=0) against 201-250 in one thread's order,
+every one of 3 rounds faster so (earlier, XLA_FLAGS set by hand: 156-203 against 199-258,
+8 rounds, likewise). Neutral within this machine's noise: int4 at 16 rows (468-558 against
+452-543), bfloat16 at 64 rows (534-640 against 526-625) and at 1 row (88-109 against
+95-102). The option is read from XLA_FLAGS only: `jax.jit(..., compiler_options=...)`
+naming it compiled the same program.
 
 `sequential_cpu_schedule` appends `--xla_cpu_enable_concurrency_optimized_scheduler=false`
 to XLA_FLAGS when `import ksana_jax` runs it, where JAX will compute on the CPU
