@@ -10,7 +10,7 @@ chain's thunks run one after another and the kernels' pool has the other cores.
 Measured (2026-12-05, 2 cores, SmolLM2 from the demo checkpoint, one process per setting,
 taken in turn, 3 runs a process): int4 at 1 row decoding 128 tokens, 175-202 tok/s with
 concurrency (KSANA_JAX_SEQUENTIAL_CPU_SCHEDULE=0) against 201-250 in one thread's order,
-every one of 3 rounds faster so (earlier, XLA_FLAGS set by hand: 156-203 against 199-258,
+every one of 3 rounds faster so (earlier, XLA_FLAGS set by hand: 156-229 against 199-258,
 8 rounds, likewise). Neutral within this machine's noise: int4 at 16 rows (468-558 against
 452-543), bfloat16 at 64 rows (534-640 against 526-625) and at 1 row (88-109 against
 95-102). The option is read from XLA_FLAGS only: `jax.jit(..., compiler_options=...)`
