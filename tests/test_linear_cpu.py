@@ -109,6 +109,33 @@ def test_kernel_equals_the_jnp_reference(fmt):
             np.testing.assert_allclose(got, want, atol=2e-6 * scale * np.sqrt(inp), rtol=0)
 
 
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8_q8_0_bf16", "int4_bf16"])
+def test_norm_and_residual_in_the_call_equal_them_around_it(fmt):
+    """`norm` (an RMS norm of x before the product, weight float32 or bfloat16, Gemma's
+    offset 1 too) and `residual` (added after) in the kernel's call equal layers.rms_norm
+    before the reference product and the residual added after it."""
+    rng = np.random.default_rng(7)
+    kernel = linear_cpu.linear  # eager: the norm's eps and offset are static
+    for (out, inp), rows in [((33, 576), 1), ((130, 1056), 5), ((7, 96), 33)]:
+        w = weight(rng, fmt, out, inp)
+        x = jnp.asarray(3 * rng.standard_normal((rows, inp)), jnp.float32)
+        residual = jnp.asarray(rng.standard_normal((rows, out)), jnp.float32)
+        for dtype, offset in [(jnp.float32, 0.0), (jnp.bfloat16, 1.0)]:
+            norm = layers.RMSNorm(jnp.asarray(rng.standard_normal(inp), dtype), 1e-5, offset)
+            want = residual + reference(layers.rms_norm(x, *norm), w)
+            scale = float(jnp.max(jnp.abs(want))) + 1
+            tol = 2e-6 * scale * np.sqrt(inp)
+            got = kernel(x, w, norm, residual)
+            np.testing.assert_allclose(got, want, atol=tol, rtol=0)
+            got = kernel(x, w, norm)  # the norm alone
+            np.testing.assert_allclose(got, want - residual, atol=tol, rtol=0)
+        np.testing.assert_allclose(  # the residual alone
+            kernel(x, w, None, residual), residual + reference(x, w), atol=tol, rtol=0
+        )
+    with pytest.raises(ValueError, match="residual must be"):
+        linear_cpu.linear(x, w, residual=jnp.zeros((rows, out + 1)))
+
+
 def test_int8_weights_of_every_byte_value_equal_the_reference():
     """int8 values over the whole byte range, -128 included (a GGUF Q8_0 block may hold it;
     quant.quantize stops at -127), against x whose groups reach +-127 steps: the integer dots'

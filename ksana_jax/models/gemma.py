@@ -44,7 +44,7 @@ from ksana_jax.config import (
 )
 from ksana_jax.kv_cache import KVCache
 from ksana_jax.models import llama
-from ksana_jax.models.layers import embed_rows, gated_mlp, linear, rms_norm, softcap
+from ksana_jax.models.layers import RMSNorm, embed_rows, gated_mlp, linear, rms_norm, softcap
 from ksana_jax.models.registry import Family, Params
 from ksana_jax.step_inputs import StepInputs
 
@@ -277,11 +277,10 @@ def forward(
     ).astype(jnp.float32)
     eps = cfg.rms_norm_eps
     for i, layer in enumerate(params["layers"]):
-        hidden = rms_norm(x, layer["attn_norm"], eps, 1.0)
-        attn, kv = llama.attention_block(cfg, inputs, kv, hidden, i, layer, backend, 1.0)
+        attn_norm = RMSNorm(layer["attn_norm"], eps, 1.0)
+        attn, kv = llama.attention_block(cfg, inputs, kv, x, i, layer, backend, 1.0, attn_norm)
         x = x + rms_norm(attn, layer["post_attn_norm"], eps, 1.0)
-        hidden = rms_norm(x, layer["mlp_norm"], eps, 1.0)
-        mlp = gated_mlp(hidden, layer, cfg.hidden_act)
+        mlp = gated_mlp(x, layer, cfg.hidden_act, RMSNorm(layer["mlp_norm"], eps, 1.0))
         x = x + rms_norm(mlp, layer["post_mlp_norm"], eps, 1.0)
     return rms_norm(x, params["final_norm"], eps, 1.0), kv
 

@@ -9,6 +9,7 @@ float32 whatever the parameter dtype.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +24,27 @@ from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 from ksana_jax.step_inputs import StepInputs
 
 
+class RMSNorm(NamedTuple):
+    """An RMS norm (`rms_norm`'s arguments) for `linear` to apply to x before its product."""
+
+    weight: jax.Array
+    eps: float
+    offset: float = 0.0
+
+
 def linear(
-    x: jax.Array, w: jax.Array | quant.QuantizedMatrix, b: jax.Array | None = None
+    x: jax.Array,
+    w: jax.Array | quant.QuantizedMatrix,
+    b: jax.Array | None = None,
+    *,
+    norm: RMSNorm | None = None,
+    residual: jax.Array | None = None,
 ) -> jax.Array:
-    """x f32[..., I] times w [O, I] transposed (+ b [O]) -> f32[..., O], accumulated in float32.
+    """[residual +] norm(x) times w transposed (+ b): x f32[..., I] (RMS-normed first when
+    `norm` is given), w [O, I], b [O], residual f32[..., O] -> f32[..., O], accumulated in
+    float32. The CPU kernel takes the norm and the residual into its call (a decoder layer's
+    norms and residual adds are otherwise XLA:CPU thunks of their own, ~11 of its ~19 at
+    batch 1); elsewhere they are the jnp ops that XLA fuses with their neighbours.
 
     On CPU, a few rows (decode) go through pallas_kernels/linear_cpu.py, a C++ kernel that
     streams w's bytes (quantized ones as they are) on every core; `linear_cpu.takes` decides
@@ -42,8 +60,18 @@ def linear(
     ms, 64 rows 117 -> 105 ms (measured, jax 0.10.2).
     """
     if linear_cpu.takes(x, w):
-        y = linear_cpu.linear(x, w)
-        return y if b is None else y + b.astype(jnp.float32)
+        fused = residual if b is None else None  # the bias comes before the residual
+        y = linear_cpu.linear(x, w, norm, fused)
+        y = y if b is None else y + b.astype(jnp.float32)
+        return y if residual is None or fused is not None else residual + y
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    y = _product(x, w, b)
+    return y if residual is None else residual + y
+
+
+def _product(x: jax.Array, w: jax.Array | quant.QuantizedMatrix, b: jax.Array | None) -> jax.Array:
+    """`linear` off the CPU kernel: x f32[..., I] . w^T (+ b)."""
     if quant_matmul.supports(platform := jax.default_backend(), x, w):
         y = quant_matmul.matmul(x, w, platform)
         return y if b is None else y + b.astype(jnp.float32)
@@ -56,7 +84,7 @@ def linear(
         # weights (measured: 561 vs 259 us for 576 x 1536); a zero row costs nothing there.
         # Float32 weights are the opposite: two rows stream them ~1.4x slower (SmolLM2 batch-1
         # float32 decode, 30 layers + LM head of products only: 38.8 vs 28.1 ms).
-        return linear(jnp.pad(x, ((0, 1), (0, 0))), w, b)[:1]
+        return _product(jnp.pad(x, ((0, 1), (0, 0))), w, b)[:1]
     if quant.is_quantized(w):
         w = quant.dequantize(quant.after(w, x))
     contract = (((x.ndim - 1,), (1,)), ((), ()))
@@ -126,13 +154,15 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def qkv_projection(
-    cfg: ModelConfig, layer: dict, x: jax.Array
+    cfg: ModelConfig, layer: dict, x: jax.Array, norm: RMSNorm | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Normed x f32[T, D] -> q f32[T, N, H], k f32[T, K, H], v f32[T, K, H] (biases added):
-    one product with the layer's fused `wqkv` (fusion.py), or three with wq / wk / wv where
-    the checkpoint's parts could not be fused."""
+    """x f32[T, D] (normed by `norm` first when given) -> q f32[T, N, H], k f32[T, K, H],
+    v f32[T, K, H] (biases added): one product with the layer's fused `wqkv` (fusion.py), or
+    three with wq / wk / wv where the checkpoint's parts could not be fused."""
     if "wqkv" in layer:
-        return fusion.split_qkv(linear(x, layer["wqkv"], layer.get("bqkv")), cfg)
+        return fusion.split_qkv(linear(x, layer["wqkv"], layer.get("bqkv"), norm=norm), cfg)
+    if norm is not None:
+        x = rms_norm(x, *norm)
     t, h = x.shape[0], cfg.head_dim
     return tuple(
         linear(x, layer[w], layer.get(b)).reshape(t, -1, h)
@@ -140,17 +170,24 @@ def qkv_projection(
     )
 
 
-def gated_mlp(x: jax.Array, mlp: dict, act: str = "silu") -> jax.Array:
-    """down(act(gate(x)) * up(x)): x f32[T, D] -> f32[T, D]; act "silu" (SwiGLU) or
-    "gelu_pytorch_tanh" (GeGLU with the tanh approximation, Gemma). `mlp` holds w_down and
-    either the fused w_gate_up (fusion.py: a dense layer's) or w_gate and w_up (an
-    expert's, or parts that could not be fused)."""
+def gated_mlp(
+    x: jax.Array,
+    mlp: dict,
+    act: str = "silu",
+    norm: RMSNorm | None = None,
+    residual: jax.Array | None = None,
+) -> jax.Array:
+    """[residual +] down(act(gate(x)) * up(x)): x f32[T, D] (normed by `norm` first when
+    given) -> f32[T, D]; act "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU with the tanh
+    approximation, Gemma). `mlp` holds w_down and either the fused w_gate_up (fusion.py: a
+    dense layer's) or w_gate and w_up (an expert's, or parts that could not be fused)."""
     if "w_gate_up" in mlp:
-        gate, up = fusion.split_gate_up(linear(x, mlp["w_gate_up"]))
+        gate, up = fusion.split_gate_up(linear(x, mlp["w_gate_up"], norm=norm))
     else:
+        x = x if norm is None else rms_norm(x, *norm)
         gate, up = linear(x, mlp["w_gate"]), linear(x, mlp["w_up"])
     gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return linear(gate * up, mlp["w_down"])
+    return linear(gate * up, mlp["w_down"], residual=residual)
 
 
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:

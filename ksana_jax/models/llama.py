@@ -40,6 +40,7 @@ from ksana_jax.config import (
 )
 from ksana_jax.kv_cache import KVCache
 from ksana_jax.models.layers import (
+    RMSNorm,
     apply_rope,
     embed_rows,
     linear,
@@ -270,13 +271,16 @@ def attention_block(
     layer: LayerParams,
     backend: str,
     norm_offset: float = 0.0,
+    norm: RMSNorm | None = None,
+    residual: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Projections, optional q/k norm, rotary and paged attention of normed x f32[T, D] ->
-    the attention output projected back f32[T, D], and kv with this layer's K/V written.
-    `norm_offset` is the q/k norms' (1.0 for Gemma's (1 + w) norms)."""
+    """Projections, optional q/k norm, rotary and paged attention of x f32[T, D] (normed by
+    `norm` first when given) -> [residual +] the attention output projected back f32[T, D],
+    and kv with this layer's K/V written. `norm_offset` is the q/k norms' (1.0 for Gemma's
+    (1 + w) norms). The norm and the residual add run inside the products (layers.linear)."""
     num_tokens = x.shape[0]
     n, h = cfg.num_attention_heads, cfg.head_dim
-    q, k_new, v_new = qkv_projection(cfg, layer, x)
+    q, k_new, v_new = qkv_projection(cfg, layer, x, norm)
     if cfg.qk_norm:
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, norm_offset)
         k_new = rms_norm(k_new, layer["k_norm"], cfg.rms_norm_eps, norm_offset)
@@ -284,7 +288,8 @@ def attention_block(
     q = apply_rope(q, inputs.positions, inv_freq)
     k_new = apply_rope(k_new, inputs.positions, inv_freq)
     attn, kv = paged_attention(cfg, inputs, kv, layer_index, q, k_new, v_new, backend)
-    return linear(attn.reshape(num_tokens, n * h), layer["wo"], layer.get("bo")), kv
+    out = linear(attn.reshape(num_tokens, n * h), layer["wo"], layer.get("bo"), residual=residual)
+    return out, kv
 
 
 def forward(
@@ -306,12 +311,11 @@ def forward(
     Returns: final-norm hidden states f32[T, D] and the updated kv.
     """
     x = embed_rows(params["embed"], inputs.token_ids).astype(jnp.float32)  # [T, D]
+    eps = cfg.rms_norm_eps
     for i, layer in enumerate(params["layers"]):
-        hidden = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        attn, kv = attention_block(cfg, inputs, kv, hidden, i, layer, backend)
-        x = x + attn
-        hidden = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        x = x + feed_forward(cfg, i, layer, hidden)  # dense MLP or mixture of experts
+        attn_norm = RMSNorm(layer["attn_norm"], eps)
+        x, kv = attention_block(cfg, inputs, kv, x, i, layer, backend, norm=attn_norm, residual=x)
+        x = feed_forward(cfg, i, layer, x, RMSNorm(layer["mlp_norm"], eps))  # dense or MoE
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
 
 

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ksana_jax.config import DENSE_MLP, MOE_MLP, ModelConfig
-from ksana_jax.models.layers import gated_mlp, linear
+from ksana_jax.models.layers import RMSNorm, gated_mlp, linear, rms_norm
 from ksana_jax.sharding import KV_REPLICA, MODEL, TENSOR
 
 # --------------------------------------------------------------------------- declarations
@@ -127,12 +127,15 @@ def param_layers(cfg: ModelConfig, name: str) -> tuple[int, ...]:
 # --------------------------------------------------------------------------- compute
 
 
-def feed_forward(cfg: ModelConfig, layer_index: int, layer: dict, x: jax.Array) -> jax.Array:
-    """Layer `layer_index`'s feed-forward of normed x f32[T, D]: the dense gated MLP or the
-    mixture of experts, as `cfg.mlp_types` says."""
+def feed_forward(
+    cfg: ModelConfig, layer_index: int, layer: dict, x: jax.Array, norm: RMSNorm
+) -> jax.Array:
+    """x f32[T, D] plus layer `layer_index`'s feed-forward of norm(x): the dense gated MLP
+    (the norm and the residual add in its products, layers.linear) or the mixture of
+    experts, as `cfg.mlp_types` says."""
     if cfg.mlp_types[layer_index] == MOE_MLP:
-        return moe_mlp(cfg, layer, x)
-    return gated_mlp(x, layer, cfg.hidden_act)
+        return x + moe_mlp(cfg, layer, rms_norm(x, *norm))
+    return gated_mlp(x, layer, cfg.hidden_act, norm=norm, residual=x)
 
 
 def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:

@@ -1,5 +1,5 @@
 // Small-batch linear layers for CPUs, an XLA FFI custom call:
-//     y f32[R, O] = x f32[R, I] . W[O, I]^T
+//     y f32[R, O] = x f32[R, I] . W[O, I]^T, or residual + rms_norm(x) . W^T
 // for W in float32, bfloat16, int8 (w = values * scales, one scale per output row or per
 // group of I / G columns) or int4 (w = q * scale + min per group of 32, GGUF Q4_1 packing:
 // byte j of a group holds element j in its low nibble and element j + 16 in its high one).
@@ -26,8 +26,13 @@
 //   phase 2  for every kRowTile of x's rows (read from L1 / L2), a register tile of
 //            kRowTile x kOutBlock float32 vector accumulators, summed across lanes at the
 //            end of the chunk.
+// A decoder layer's RMS norm before its q/k/v and gate/up products and its residual add after
+// its output and down products are XLA:CPU thunks of their own otherwise (~11 of a layer's
+// ~19 at batch 1, each a microsecond or two of a step's few milliseconds); here the caller
+// norms x's few rows before the product, and store_block adds the residual.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -224,10 +229,13 @@ inline bool direct(const Problem& pb) {
   }
 }
 
-// Results [o, o + block) of every row from the block's sums.
+// Results [o, o + block) of every row from the block's sums, plus the residual's.
 inline void store_block(const Problem& pb, int64_t o, int64_t block, const float* acc) {
   for (int64_t r = 0; r < pb.rows; ++r)
-    for (int64_t j = 0; j < block; ++j) pb.y[r * pb.out + o + j] = acc[r * kOutBlock + j];
+    for (int64_t j = 0; j < block; ++j) {
+      const int64_t i = r * pb.out + o + j;
+      pb.y[i] = pb.residual ? pb.residual[i] + acc[r * kOutBlock + j] : acc[r * kOutBlock + j];
+    }
 }
 
 // One work item: weight rows [o_begin, o_end).
@@ -355,15 +363,42 @@ ffi::Error weight_problem(const ffi::AnyBuffer& w, const ffi::AnyBuffer& scales,
 struct Scratch {
   Problem problem;
   std::vector<int32_t> vector_group;
-  std::vector<float> padded, x_sum, x_scale, x8_lanes, x_offset;
+  std::vector<float> normed, padded, x_sum, x_scale, x8_lanes, x_offset;
   std::vector<uint16_t> x_bf16;
   std::vector<int8_t> x8;
 };
 
-// y f32[R, O] = x . W^T.
+// x's rows RMS-normed into `normed` as layers.rms_norm does in float32:
+// x * rsqrt(mean(x^2) + eps) * (offset + weight), the weight float32 or bfloat16.
+const float* rms_norm(const float* x, int64_t rows, int64_t in, const ffi::AnyBuffer& norm,
+                      float eps, float offset, std::vector<float>& normed) {
+  std::vector<float>& weight = normed;  // first the weight in float32, then the rows after it
+  weight.resize(in + rows * in);
+  if (norm.element_type() == ffi::BF16) {
+    const uint16_t* bits = static_cast<const uint16_t*>(norm.untyped_data());
+    for (int64_t k = 0; k < in; ++k) weight[k] = offset + bits_to_f32(uint32_t{bits[k]} << 16);
+  } else {
+    const float* w = static_cast<const float*>(norm.untyped_data());
+    for (int64_t k = 0; k < in; ++k) weight[k] = offset + w[k];
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * in;
+    float* dst = normed.data() + in + r * in;
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t k = 0; k < in; ++k) squares += src[k] * src[k];
+    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(in) + eps);
+    for (int64_t k = 0; k < in; ++k) dst[k] = (src[k] * inv) * weight[k];
+  }
+  return normed.data() + in;
+}
+
+// y f32[R, O] = residual + rms_norm(x) . W^T, the norm (a weight [I]) and the residual
+// ([R, O]) each optional (an empty array: none).
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                  ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y,
-                  bool bf16, int64_t parallel_bytes) {
+                  ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::AnyBuffer norm,
+                  ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> y, bool bf16,
+                  int64_t parallel_bytes, float norm_eps, float norm_offset) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return ffi::Error::InvalidArgument("x must be a matrix");
   // The call's scratch, kept per thread: a decode step makes ~120 calls of 10-100 us, and
@@ -378,6 +413,16 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   if (y_dims.size() != 2 || y_dims[0] != pb.rows || y_dims[1] != pb.out)
     return ffi::Error::InvalidArgument("y must be [R, O]");
   pb.y = y->typed_data();
+  const bool normed = norm.element_count() > 0;
+  if (normed && (norm.dimensions().size() != 1 || norm.dimensions()[0] != pb.in ||
+                 (norm.element_type() != ffi::F32 && norm.element_type() != ffi::BF16)))
+    return ffi::Error::InvalidArgument("norm must be [I] float32 / bfloat16, or empty");
+  if (residual.element_count() > 0) {
+    const auto r_dims = residual.dimensions();
+    if (r_dims.size() != 2 || r_dims[0] != pb.rows || r_dims[1] != pb.out)
+      return ffi::Error::InvalidArgument("residual must be [R, O] or empty");
+    pb.residual = residual.typed_data();
+  }
   if (pb.kind == Kind::kInt8) {
     std::vector<int32_t>& vector_group = scratch.vector_group;
     vector_group.resize((pb.in + kLanes - 1) / kLanes + 1);
@@ -388,6 +433,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   }
   if (pb.rows == 0) return ffi::Error::Success();
   const float* x_in = x.typed_data();
+  if (normed)
+    x_in = rms_norm(x_in, pb.rows, pb.in, norm, norm_eps, norm_offset, scratch.normed);
   pb.integer_dots = integer_dots_fit(pb);
   // x as the tiles read it: a bfloat16 product multiplies x rounded to bfloat16 (XLA's dot
   // rounds it the same way), in bfloat16 for vdpbf16ps; float x is padded with zeros to
@@ -431,7 +478,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaLinearCpu, Linear,
                                   .Arg<ffi::AnyBuffer>()  // w [O, I] (int4: u8[O, I/2])
                                   .Arg<ffi::AnyBuffer>()  // scales [O, G] or [0, 0]
                                   .Arg<ffi::AnyBuffer>()  // mins [O, I/32] or [0, 0]
+                                  .Arg<ffi::AnyBuffer>()  // norm [I] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual [R, O] or [0, 0]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [R, O]
                                   .Attr<bool>("bf16")  // bfloat16 products (see Problem)
                                   // weight bytes from which the pool's threads join
-                                  .Attr<int64_t>("parallel_bytes"));
+                                  .Attr<int64_t>("parallel_bytes")
+                                  .Attr<float>("norm_eps")
+                                  .Attr<float>("norm_offset"));

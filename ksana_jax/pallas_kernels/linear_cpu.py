@@ -192,9 +192,16 @@ def kind(w: jax.Array | quant.QuantizedMatrix) -> tuple[str, str]:
     return fmt, jnp.dtype(w.dtype).name
 
 
-def linear(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> jax.Array:
+def linear(
+    x: jax.Array,
+    w: jax.Array | quant.QuantizedMatrix,
+    norm: tuple[jax.Array, float, float] | None = None,
+    residual: jax.Array | None = None,
+) -> jax.Array:
     """x [R, I] times w [O, I] transposed -> f32[R, O]: `models.layers.linear` without a bias,
-    within float32 rounding: as there, the product is in w's dtype (a quantized matrix's
+    with its `norm` (weight [I], eps, offset: x is RMS-normed first, as layers.rms_norm) and
+    `residual` f32[R, O] (added to the product), within float32 rounding: as there, the
+    product is in w's dtype (a quantized matrix's
     `dtype`): for bfloat16, x and the dequantized weights are rounded to bfloat16 and their
     products summed in float32 -- but a matrix the kernel multiplies by integer dots
     (`integer_dots`) is not rounded: x is multiplied by the exact q * scale (+ min) (closer to
@@ -206,14 +213,22 @@ def linear(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> jax.Array:
         raise ValueError(f"the cpu linear kernel does not take a weight {w!r:.200}")
     if x.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x must be [R, {w.shape[1]}], got {x.shape}")
+    out = (x.shape[0], w.shape[0])
+    if residual is not None and residual.shape != out:
+        raise ValueError(f"residual must be {list(out)}, got {residual.shape}")
     cpu_build.register(SOURCE, _SYMBOL, TARGET)
     values, scales, mins = _operands(w)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    weight, eps, offset = (jnp.zeros((0,)), 0.0, 0.0) if norm is None else norm
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(out, jnp.float32))
     return call(
         x.astype(jnp.float32),
         values,
         _scale_dtype(scales),
         _scale_dtype(mins),
+        weight if weight.dtype in (jnp.float32, jnp.bfloat16) else weight.astype(jnp.float32),
+        jnp.zeros((0, 0)) if residual is None else residual.astype(jnp.float32),
         bf16=jnp.dtype(w.dtype) == jnp.bfloat16,
         parallel_bytes=np.int64(PARALLEL_BYTES),
+        norm_eps=np.float32(eps),
+        norm_offset=np.float32(offset),
     )

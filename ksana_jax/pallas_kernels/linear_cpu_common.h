@@ -215,6 +215,7 @@ struct Problem {
   const float* x8_lanes;
   const float* x_offset;
   float* y;        // [R, O]
+  const float* residual;  // [R, O], added to y, or null
 };
 
 // Element i of a float32 or float16 (`f16`) array of scales or minimums.
