@@ -85,16 +85,18 @@ def test_attention_and_writers():
         assert ref.attention() is reference.ragged_paged_attention
         assert ref.kv_writer() is reference.write_kv_pages
         assert ref.layer_kv_writer() is reference.write_layer_kv
-        # The cpu and xla backends: their own attention, the reference's KV writes, never a
-        # warning.
+        # The cpu and xla backends: their own attention, never a warning; the xla one the
+        # reference's KV writes, the cpu one its own one-layer write.
         for name, module in (
             ("cpu", ragged_paged_attention_cpu),
             ("xla", ragged_paged_attention_xla),
         ):
             assert get_backend(name).attention() is module.ragged_paged_attention
             assert pallas_kernels.get_attention(name) is module.ragged_paged_attention
-            assert get_backend(name).kv_writer() is reference.write_kv_pages
-            assert pallas_kernels.get_layer_kv_writer(name) is reference.write_layer_kv
+        assert get_backend("xla").kv_writer() is reference.write_kv_pages
+        assert pallas_kernels.get_layer_kv_writer("xla") is reference.write_layer_kv
+        cpu_writer = pallas_kernels.get_layer_kv_writer("cpu")
+        assert cpu_writer.func is ragged_paged_attention_cpu.write_layer_kv
     for name, module in (
         ("pallas_tpu", ragged_paged_attention_tpu),
         ("pallas_gpu", paged_attention_gpu),

@@ -1,4 +1,5 @@
-"""The Pallas KV-write kernels, in interpret mode on CPU, equal `reference.write_kv_pages`."""
+"""The Pallas KV-write kernels, in interpret mode on CPU, and the cpu backend's one-layer write
+(a C++ custom call) equal `reference.write_kv_pages` / `reference.write_layer_kv`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from ksana_jax.kv_cache import float_kv
-from ksana_jax.pallas_kernels import reference, write_kv_pages_gpu, write_kv_pages_tpu
+from ksana_jax.pallas_kernels import (
+    ragged_paged_attention_cpu,
+    reference,
+    write_kv_pages_gpu,
+    write_kv_pages_tpu,
+)
 
 NUM_LAYERS, NUM_KV_HEADS, NUM_PAGES, PAGE_SIZE, HEAD_DIM = 3, 2, 12, 16, 64
 NUM_TOKENS = 24  # not a multiple of the GPU kernel's 16-token blocks
@@ -79,6 +85,8 @@ LAYER_WRITERS = {
     "tpu": functools.partial(write_kv_pages_tpu.write_layer_kv, interpret=True),
     "gpu": functools.partial(write_kv_pages_gpu.write_layer_kv, interpret=True),
 }
+if ragged_paged_attention_cpu.available():
+    LAYER_WRITERS["cpu"] = ragged_paged_attention_cpu.write_layer_kv
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -93,6 +101,28 @@ def test_layer_write_matches_reference(writer, dtype):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     traced = jax.jit(LAYER_WRITERS[writer])(kv, jnp.int32(1), k_new, v_new, slots)
     np.testing.assert_array_equal(np.asarray(traced.pages.astype(jnp.float32)), np.asarray(want))
+
+
+@pytest.mark.skipif("cpu" not in LAYER_WRITERS, reason="no C++ compiler")
+def test_cpu_layer_write_in_place_under_a_donating_jit():
+    """As the engine's step calls it: the KV donated, one row (the decode of one sequence) and
+    then 24, a slot past the pages skipped as the reference's scatter drops it; the result
+    is the donated buffer itself (no KV-sized copy)."""
+    kv, new_kv, slots = make_write(jnp.bfloat16, seed=2)
+    slots = slots.at[3].set(NUM_PAGES * PAGE_SIZE)  # out of range: dropped
+    k_new, v_new = new_kv[2, 0], new_kv[2, 1]
+    want = reference.write_layer_kv(kv, 2, k_new[:1], v_new[:1], slots[:1])
+    want = reference.write_layer_kv(want, 0, -k_new, v_new, slots)
+    step = jax.jit(ragged_paged_attention_cpu.write_layer_kv, donate_argnums=0)
+    pointer = kv.pages.unsafe_buffer_pointer()
+    got = step(kv, jnp.int32(2), k_new[:1], v_new[:1], slots[:1])
+    got = step(got, jnp.int32(0), -k_new, v_new, slots)
+    assert got.pages.unsafe_buffer_pointer() == pointer
+    # Past the sink page: the reference's one-row write zeroes its slot 0 as well.
+    np.testing.assert_array_equal(
+        np.asarray(got.pages[:, :, :, 1:].astype(jnp.float32)),
+        np.asarray(want.pages[:, :, :, 1:].astype(jnp.float32)),
+    )
 
 
 @pytest.mark.parametrize("writer", sorted(LAYER_WRITERS))

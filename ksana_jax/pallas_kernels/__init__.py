@@ -15,7 +15,8 @@ and the KV writers two (semantics: `reference.write_kv_pages`, `reference.write_
 Backends (`BACKENDS`, keyed by config.AttentionBackendName, the one list of their names):
 "reference" (pure jnp, one gather of the whole context per token: the oracle), "cpu"
 (ragged_paged_attention_cpu.py/.cc: a C++ XLA FFI kernel built at first use; the CPU path;
-KV writes are the reference's), "xla" (ragged_paged_attention_xla.py: the oracle in jnp
+one layer's float KV rows are copied in place by a second call there, quantized ones and the
+every-layer write are the reference's), "xla" (ragged_paged_attention_xla.py: the oracle in jnp
 grouped by sequence, a flash-style loop over the context; the CPU path where no C++
 compiler is at hand; the reference's KV writes), "pallas_tpu" (ragged_paged_attention_tpu.py,
 write_kv_pages_tpu.py: Mosaic), "pallas_gpu" (paged_attention_gpu.py, write_kv_pages_gpu.py:
@@ -229,7 +230,7 @@ BACKENDS: dict[str, AttentionBackend] = {
         AttentionBackend(
             "cpu",
             _KERNELS + "ragged_paged_attention_cpu",
-            None,
+            _KERNELS + "ragged_paged_attention_cpu",
             ("cpu",),
             loops_over_own_context=True,
         ),

@@ -655,6 +655,52 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// One layer's new keys and values k_new / v_new [T, K, H] (in the pages' float dtype) into
+// their slots of pages [L, 2, K, num_pages, page_size, H], in place: the result is the
+// pages' own buffer (the Python side aliases it to the operand). reference.write_layer_kv's
+// semantics, without XLA:CPU's scatter and the padding of a one-row write it needs (five
+// thunks a layer at batch 1). A slot outside the pages is skipped, as the scatter drops it.
+ffi::Error WriteLayerKV(ffi::AnyBuffer pages, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
+                        ffi::Buffer<ffi::S32> layer_index, ffi::Buffer<ffi::S32> slot_ids,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  const auto dims = pages.dimensions();
+  const auto k_dims = k_new.dimensions();
+  const auto v_dims = v_new.dimensions();
+  if (dims.size() != 6 || dims[1] != 2)
+    return ffi::Error::InvalidArgument("pages must be [L, 2, K, num_pages, page_size, H]");
+  const int64_t num_layers = dims[0], num_kv_heads = dims[2], head_dim = dims[5];
+  const int64_t slots = dims[3] * dims[4];
+  const int64_t num_tokens = slot_ids.element_count();
+  if (k_dims.size() != 3 || k_dims[0] != num_tokens || k_dims[1] != num_kv_heads ||
+      k_dims[2] != head_dim || v_dims.size() != 3 || v_dims[0] != num_tokens ||
+      v_dims[1] != num_kv_heads || v_dims[2] != head_dim)
+    return ffi::Error::InvalidArgument("k_new and v_new must be [T, K, H] as the pages' K, H");
+  if (k_new.element_type() != pages.element_type() ||
+      v_new.element_type() != pages.element_type())
+    return ffi::Error::InvalidArgument("k_new and v_new must have the pages' dtype");
+  const int64_t layer = layer_index.typed_data()[0];
+  if (layer < 0 || layer >= num_layers)
+    return ffi::Error::InvalidArgument("layer_index out of range");
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != pages.untyped_data())  // not aliased (XLA could not): the pages as they were
+    std::memcpy(dst, pages.untyped_data(), pages.size_bytes());
+  if (pages.element_count() == 0) return ffi::Error::Success();
+  const int64_t row_bytes = head_dim * (pages.size_bytes() / pages.element_count());
+  const int32_t* slot = slot_ids.typed_data();
+  const char* news[2] = {static_cast<const char*>(k_new.untyped_data()),
+                         static_cast<const char*>(v_new.untyped_data())};
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slot[t] < 0 || slot[t] >= slots) continue;
+    for (int64_t which = 0; which < 2; ++which)
+      for (int64_t k = 0; k < num_kv_heads; ++k) {
+        const int64_t row = ((layer * 2 + which) * num_kv_heads + k) * slots + slot[t];
+        std::memcpy(dst + row * row_bytes, news[which] + (t * num_kv_heads + k) * row_bytes,
+                    row_bytes);
+      }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // How many items a thread other than their call's ran so far (tests read it).
@@ -676,3 +722,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaRaggedPagedAttentionCpu, Attention,
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")
                                   .Attr<float>("logit_softcap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaWriteLayerKvCpu, WriteLayerKV,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // pages (aliased to the result)
+                                  .Arg<ffi::AnyBuffer>()         // k_new [T, K, H]
+                                  .Arg<ffi::AnyBuffer>()         // v_new [T, K, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer_index
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_ids [T]
+                                  .Ret<ffi::AnyBuffer>());       // pages

@@ -24,13 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ksana_jax.kv_cache import KVCache
-from ksana_jax.pallas_kernels import cpu_build
-from ksana_jax.pallas_kernels.attention_args import validate_attention_args
+from ksana_jax.pallas_kernels import cpu_build, reference
+from ksana_jax.pallas_kernels.attention_args import layer_as_array, validate_attention_args
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET = "ksana_ragged_paged_attention_cpu"
 _SYMBOL = "KsanaRaggedPagedAttentionCpu"
+WRITE_TARGET = "ksana_write_layer_kv_cpu"
+_WRITE_SYMBOL = "KsanaWriteLayerKvCpu"
 MAX_HEAD_DIM, MAX_GROUP = 256, 16  # kMaxHeadDim, kMaxGroup in the .cc
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn")  # Kind in the .cc
 
@@ -93,3 +95,42 @@ def ragged_paged_attention(
         sliding_window=np.int32(spec.sliding_window or 0),
         logit_softcap=np.float32(spec.logit_softcap or 0.0),
     )
+
+
+def write_layer_kv(
+    kv: KVCache,
+    layer_index: int | jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    slot_ids: jax.Array,
+    *,
+    interpret: bool = False,
+) -> KVCache:
+    """reference.write_layer_kv (same arguments and result): float pages get the rows copied
+    in place by one custom call (the pages aliased to its result; a scatter and the padding a
+    one-row scatter needs are five XLA:CPU thunks a layer). Quantized pages take the
+    reference's write (its quantization is the one every backend matches). `interpret` is
+    the Pallas writers' argument, unused."""
+    del interpret
+    if kv.quantized:
+        return reference.write_layer_kv(kv, layer_index, k_new, v_new, slot_ids)
+    cpu_build.register(SOURCE, _WRITE_SYMBOL, WRITE_TARGET)
+    call = jax.ffi.ffi_call(
+        WRITE_TARGET,
+        jax.ShapeDtypeStruct(kv.pages.shape, kv.pages.dtype),
+        input_output_aliases={0: 0},
+    )
+    dtype = kv.pages.dtype
+    layer = layer_as_array(layer_index, kv.pages.shape[0]).reshape(())
+    pages = call(
+        kv.pages, k_new.astype(dtype), v_new.astype(dtype), layer, slot_ids.astype(jnp.int32)
+    )
+    return KVCache(pages, kv.scales)
+
+
+def write_kv_pages(
+    kv: KVCache, new_kv: jax.Array, slot_ids: jax.Array, *, interpret: bool = False
+) -> KVCache:
+    """Every layer's write: the reference's (the engine writes layer by layer, in the model)."""
+    del interpret
+    return reference.write_kv_pages(kv, new_kv, slot_ids)
