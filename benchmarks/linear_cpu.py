@@ -20,13 +20,16 @@ times one SmolLM2 decode step's layers (1 row) as the model runs them around the
 calls (norms, residual adds, the activation as XLA ops) with the calls' threading threshold
 PARALLEL_BYTES at its default, 1 MiB and 0 (always the pool), and "no-act": gate + up in
 place of silu(gate) * up (what a kernel writing the gated activation itself could save, at
-most); the variants run interleaved, each one's best counts.
+most), and "xla-ops": the norms and residual adds as XLA ops around the calls (the model's
+layers before 2026-12-05; "model" has them inside the calls, layers.linear's norm= and
+residual=); the variants run interleaved, each one's best counts.
 
-2026-12-04 (this 2-core Zen 3): the RMS norms and residual adds moved into the kernel's calls
-(~14 XLA thunks a layer down to ~5; 715 -> 420 a step) were no faster here (bfloat16 12.2
-against 12.5 ms a step, int4 6.45 against 6.42) nor in the engine's tokens/s, so the kernel
-takes the product alone: XLA:CPU's small elementwise thunks cost ~nothing at decode's one
-row, whatever a profiler's per-thunk events suggest.
+2026-12-04 (a 2-core Zen 3, XLA:CPU's default concurrent schedule): the norms and residual
+adds inside the calls (~14 XLA thunks a layer down to ~5) were no faster there (bfloat16
+12.2 against 12.5 ms a step, int4 6.45 against 6.42) nor in the engine's tokens/s. 2026-12-05
+(a 2-core Zen 4 with AVX-512, the one-thread schedule of cpu_schedule.py): int4 "model" 3.78
+ms against "xla-ops" 3.99 (best of 40), and the engine's SmolLM2 int4 batch-1 median 205-220
+-> 224-236 tok/s in three alternating rounds, so the model now takes them into the calls.
 """
 
 from __future__ import annotations
@@ -125,22 +128,29 @@ def step_table(rng, dtype: str, rows_list, repeats: int, bandwidth: float) -> No
         )
 
 
-def decode_products(activation: bool = True, linear=linear_cpu.linear):
+def decode_products(activation: bool = True, linear=linear_cpu.linear, fused: bool = True):
     """One decode step's layers as the model runs them: the input norm and q/k/v, o and the
     residual add, the MLP norm and gate/up, the activation, down and the residual add; then
-    the LM head; the products by `linear` (the kernel's). Without `activation` down takes
-    gate + up (one elementwise op fewer: the most a kernel writing silu(gate) * up itself
-    could save)."""
+    the LM head; the products by `linear` (the kernel's), the norms and residual adds in its
+    calls (`fused`, as models/llama.py runs them) or as XLA ops around them. Without
+    `activation` down takes gate + up (one elementwise op fewer: the most a kernel writing
+    silu(gate) * up itself could save)."""
+
+    def product(x, w, norm=None, residual=None):
+        if fused:
+            return linear(x, w, None if norm is None else (norm, 1e-5, 0.0), residual)
+        y = linear(x if norm is None else rms_norm(x, norm, 1e-5), w)
+        return y if residual is None else residual + y
 
     @jax.jit
     def run(x, layers, head):
         d = x.shape[1]
         for attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down in layers:
-            qkv = linear(rms_norm(x, attn_norm, 1e-5), wqkv)
-            x = x + linear(qkv[:, :d] + qkv[:, -d:], wo)  # attention's stand-in
-            gate_up = linear(rms_norm(x, mlp_norm, 1e-5), w_gate_up)
+            qkv = product(x, wqkv, norm=attn_norm)
+            x = product(qkv[:, :d] + qkv[:, -d:], wo, residual=x)  # attention's stand-in
+            gate_up = product(x, w_gate_up, norm=mlp_norm)
             gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
-            x = x + linear(jax.nn.silu(gate) * up if activation else gate + up, w_down)
+            x = product(jax.nn.silu(gate) * up if activation else gate + up, w_down, residual=x)
         return linear(x, head)
 
     return run
@@ -182,6 +192,7 @@ def layers_table(rng, dtypes, repeats: int, bandwidth: float) -> None:
             variants[("model", name)] = fn
         linear_cpu.PARALLEL_BYTES = default
         variants[("no-act", f"{default >> 10}KiB")] = decode_products(activation=False)
+        variants[("xla-ops", f"{default >> 10}KiB")] = decode_products(fused=False)
         best = dict.fromkeys(variants, float("inf"))
         for _ in range(repeats):  # interleaved: a busy spell hits every variant
             for key, fn in variants.items():

@@ -270,11 +270,6 @@ void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
   }
 }
 
-// A work item: weight rows [begin, end).
-struct Item {
-  int64_t begin, end;
-};
-
 // The product's rows as work items, parallel (cpu_pool.h) when the weight's bytes reach
 // `parallel_bytes`.
 void run_items(ffi::ThreadPool& pool, const Problem& pb, int64_t parallel_bytes) {
@@ -284,30 +279,23 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb, int64_t parallel_bytes)
   }
   const ksana_cpu_pool::SpinPool& spin_pool = ksana_cpu_pool::SpinPool::get();
   const int64_t workers = spin_pool.enabled() ? spin_pool.workers() : pool.num_threads() + 1;
-  // Guided: each item a 2 workers'th of the rows left, down to an 8 workers'th of them all,
-  // whole register tiles: few long streams while all are left, small ones at the end to
-  // even out the workers' finish -- a worker that joins late or loses its core a while
-  // (2026-12-03, 2 cores, async scheduling: the engine's thread takes one for a third of an
-  // int4 step, and the pool's thread joined 64% of the calls) takes what is left. Against 4
-  // equal items a worker, one decode step's int4 layer products (2 threads, C++ alone) took
-  // 0.4-9% less time.
+  // One item a worker, equal whole register blocks: each thread starts one stream of the
+  // weight's rows and claims once. The pool's threads spin between the products, so they
+  // join within microseconds (and XLA:CPU runs a program's thunks on one thread,
+  // cpu_schedule.py, so they keep their core). Guided items (a 2 workers'th of the rows
+  // left, down to an 8 workers'th: ~9 a product) evened out a late joiner when XLA's threads
+  // took the pool's core (2026-12-03); since the one-thread schedule they were slower:
+  // SmolLM2 int4 at batch 1, the engine, 32-token requests alternating in one process
+  // (2026-12-05, 2 cores): 206-208 against 216-220 tok/s median in three runs; 16 rows
+  // 475 / 469, bfloat16 at 1 row 89 / 89, at 64 rows 602 / 618 (neutral).
   auto whole = [](int64_t n) { return (n + kOutBlock - 1) / kOutBlock * kOutBlock; };
-  const int64_t least = std::max<int64_t>(kOutBlock, whole(pb.out / (8 * workers)));
-  // Kept per thread (no allocation a call); the pool's threads see it by this reference (a
-  // thread_local named in the lambda would be their own).
-  static thread_local std::vector<Item> kept_items;
-  std::vector<Item>& items = kept_items;
-  items.clear();
-  for (int64_t o = 0; o < pb.out;) {
-    const int64_t rows =
-        std::min(pb.out - o, std::max(least, whole((pb.out - o) / (2 * workers))));
-    items.push_back({o, o + rows});
-    o += rows;
-  }
+  const int64_t rows = whole((pb.out + workers - 1) / workers);
+  const int64_t n = (pb.out + rows - 1) / rows;
   // Spinning for the next call: the kernel serves decode's few rows, where the products
   // follow each other with only small single-threaded thunks between them.
-  ksana_cpu_pool::run_on_pool(pool, static_cast<int64_t>(items.size()), /*spin=*/true,
-                              [&](int64_t i) { run_rows(pb, items[i].begin, items[i].end); });
+  ksana_cpu_pool::run_on_pool(pool, n, /*spin=*/true, [&](int64_t i) {
+    run_rows(pb, i * rows, std::min(pb.out, (i + 1) * rows));
+  });
 }
 
 
