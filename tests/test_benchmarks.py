@@ -246,14 +246,15 @@ def test_linear_cpu_pieces_run():
         rtol = 0.1 if exact else 1e-4
         np.testing.assert_allclose(kernel, xla, rtol=rtol, atol=1e-3, err_msg=dtype)
         assert bench.time_chain(bench.chain(bench.linear_cpu.linear), x, weights, 1) > 0
-        # --layers: a decode step's layers around the kernel's calls, with and without silu
+        # --layers: a decode step's layers around the kernel's calls, with and without silu,
+        # the norms and residual adds in the kernel's calls or around them (XLA's side: around)
         shapes = ((96, 32), (32, 32), (128, 32), (32, 64))  # wqkv, wo, w_gate_up, w_down
         layers = bench.decode_layers(rng, dtype, shapes, 1)
         head = bench.make_weight(rng, dtype, 20, 32)
         x = jnp.asarray(rng.standard_normal((1, 32)), jnp.float32) / 10
-        for activation in (True, False):
-            kernel = bench.decode_products(activation)(x, layers, head)
-            xla = bench.decode_products(activation, bench.xla_linear)(x, layers, head)
+        for activation, fused in ((True, True), (False, True), (True, False)):
+            kernel = bench.decode_products(activation, fused=fused)(x, layers, head)
+            xla = bench.decode_products(activation, bench.xla_linear, fused=False)(x, layers, head)
             scale = float(np.max(np.abs(xla)))  # random weights: products of ~1e4 here
             np.testing.assert_allclose(kernel, xla, rtol=0, atol=rtol * scale / 2, err_msg=dtype)
 
