@@ -658,7 +658,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
 // One layer's new keys and values k_new / v_new [T, K, H] (in the pages' float dtype) into
 // their slots of pages [L, 2, K, num_pages, page_size, H], in place: the result is the
 // pages' own buffer (the Python side aliases it to the operand). reference.write_layer_kv's
-// semantics, without XLA:CPU's scatter and the padding of a one-row write it needs (five
+// semantics, without XLA:CPU's scatter and the padding of a one-row write it needs (four
 // thunks a layer at batch 1). A slot outside the pages is skipped, as the scatter drops it.
 ffi::Error WriteLayerKV(ffi::AnyBuffer pages, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
                         ffi::Buffer<ffi::S32> layer_index, ffi::Buffer<ffi::S32> slot_ids,

@@ -108,7 +108,7 @@ def write_layer_kv(
 ) -> KVCache:
     """reference.write_layer_kv (same arguments and result): float pages get the rows copied
     in place by one custom call (the pages aliased to its result; a scatter and the padding a
-    one-row scatter needs are five XLA:CPU thunks a layer). Quantized pages take the
+    one-row scatter needs are four XLA:CPU thunks a layer). Quantized pages take the
     reference's write (its quantization is the one every backend matches). `interpret` is
     the Pallas writers' argument, unused."""
     del interpret
