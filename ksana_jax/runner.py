@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from ksana_jax import multihost
+from ksana_jax import host_memory, multihost
 from ksana_jax.batch import (
     PageWrites,
     PersistentBatch,
@@ -232,6 +232,9 @@ class ModelRunner:
                 compute_capability=capability,
             )
             self.draft_kv = allocate_kv(spec, draft_model.plan.kv_sharding(spec.shape))
+        if platform == "cpu":  # every step reads every weight (host_memory.py)
+            draft_params = None if draft_model is None else draft_model.params
+            host_memory.back_with_huge_pages((model.params, draft_params))
         num_slots = config.max_num_seqs + 1  # the last is the padding rows' sink
         self.batch = PersistentBatch(
             num_slots,

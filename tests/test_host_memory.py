@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from ksana_jax import host_memory
+
 # 40 MB out of every call: over glibc's largest mmap threshold (32 MB), so without the
 # setting each call maps (and faults in) a new block; within a thread's arena heap (64 MB),
 # where the setting keeps it (glibc maps a larger block from a thread other than the main
@@ -67,3 +69,62 @@ def test_only_where_jax_computes_on_the_cpu(tmp_path):
     (tmp_path / "vfio").mkdir()
     (tmp_path / "vfio" / "0").touch()  # a TPU v5e's
     assert not computes_on_cpu({}, str(tmp_path))
+
+
+def test_huge_page_ranges_cover_and_merge():
+    mib = 1 << 20
+    # a span inside one huge page; one across a boundary; one touching the last: merged
+    assert host_memory.huge_page_ranges([(3 * mib, mib)]) == [(2 * mib, 4 * mib)]
+    assert host_memory.huge_page_ranges([(3 * mib, 2 * mib)]) == [(2 * mib, 6 * mib)]
+    spans = [(9 * mib, mib), (3 * mib, 2 * mib), (6 * mib, 1), (20 * mib, 0)]
+    assert host_memory.huge_page_ranges(spans) == [(2 * mib, 10 * mib)]
+    assert host_memory.huge_page_ranges([(0, mib), (4 * mib, mib)]) == [
+        (0, 2 * mib),
+        (4 * mib, 6 * mib),
+    ]
+
+
+def _huge_kb_around(address: int) -> tuple[int, int]:
+    """(Rss, AnonHugePages) in kB of this process's mapping that holds `address`."""
+    found, rss = False, 0
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                lo, hi = (int(v, 16) for v in fields[0].split("-"))
+                found = lo <= address < hi
+            elif found and fields[0] == "Rss:":
+                rss = int(fields[1])
+            elif found and fields[0] == "AnonHugePages:":
+                return rss, int(fields[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _collapse_supported() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                return False
+        release = tuple(int(v) for v in os.uname().release.split(".")[:2])
+    except (OSError, ValueError):
+        return False
+    return release >= (6, 1)
+
+
+@pytest.mark.skipif(not _collapse_supported(), reason="MADV_COLLAPSE: Linux 6.1, THP on")
+def test_weights_move_onto_huge_pages_and_keep_their_values():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(6 << 20, dtype=np.float32)  # 24 MiB
+    weights = {"w": jax.jit(lambda v: v * 2.0)(jnp.asarray(values)), "none": None}
+    address = weights["w"].unsafe_buffer_pointer()
+    collapsed = host_memory.back_with_huge_pages(weights)
+    # every whole 2 MiB page inside the buffer is now a huge one (its mapping may hold more)
+    assert collapsed >= (weights["w"].nbytes // host_memory.HUGE_PAGE - 1) * host_memory.HUGE_PAGE
+    rss, huge = _huge_kb_around(address + weights["w"].nbytes // 2)
+    assert huge >= 20 * 1024, (rss, huge)
+    np.testing.assert_array_equal(np.asarray(weights["w"]), values * 2.0)
+    assert float(jnp.sum(weights["w"][:4])) == float(np.sum(values[:4] * 2.0))
