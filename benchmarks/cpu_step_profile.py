@@ -54,12 +54,24 @@ CATEGORIES = {
 }
 
 
-def category(name: str, previous: str, lm_head: str) -> str:
+KV_WRITE_CALL = "kv write (the cpu backend's call)"
+
+
+def category(name: str, previous_category: str, written: bool, lm_head: str) -> str:
+    """A forward thunk's category, from its name, the category of the thunk before it and
+    whether a layer's KV write ran since the last custom call (`written`). A layer's custom
+    calls all read `ffi_call`, told apart by place: q/k/v product, rope, the KV write (the
+    cpu backend's own call after rope, or XLA's scatter), attention (the first call after
+    the write), o, gate/up, silu * up, down."""
     base = re.sub(r"[.\d]+$", "", name)
     if name == lm_head:
         return "LM head product"
-    if base == "ffi_call":  # the attention call follows the KV write's scatter
-        return "attention" if previous.startswith("wrapped_scatter") else "layer products"
+    if base == "ffi_call":
+        if previous_category == "rope":
+            return KV_WRITE_CALL
+        return "attention" if written else "layer products"
+    if base == "bitcast_multiply_fusion" and previous_category == "layer products":
+        return "silu * up"  # after gate/up; before the LM head it is the final norm's
     return CATEGORIES.get(base, f"other ({base})")
 
 
@@ -110,17 +122,21 @@ def table(events: list[dict]) -> None:
         for run in module_runs:
             if run[0]["ts"] < first_step:
                 continue  # the prefill's
-            previous = ""
+            previous_category, written = "", False
             for i, e in enumerate(run):
                 if module == forward:
-                    name = category(e["name"], previous, lm_head)
+                    name = category(e["name"], previous_category, written, lm_head)
+                    if e["name"].startswith("wrapped_scatter") or name == KV_WRITE_CALL:
+                        written = True
+                    elif name == "attention":
+                        written = False
                 elif "sample" in module:
                     name = "sampler"
                 else:
                     name = f"other program ({module})"
                 busy[name] += e["dur"]
                 count[name] += 1
-                previous = e["name"]
+                previous_category = name
                 if i:
                     inside_gaps += max(0.0, e["ts"] - run[i - 1]["ts"] - run[i - 1]["dur"])
     # Idle: from the end of the programs run before one to its first thunk (before a step's
