@@ -126,8 +126,10 @@ def huge_page_ranges(spans) -> list[tuple[int, int]]:
 
 def back_with_huge_pages(arrays) -> int:
     """Moves the CPU buffers of `arrays` (a pytree of jax.Arrays: a model's params) onto
-    transparent huge pages; returns the bytes of the 2 MiB pages now huge (0 where the system
-    cannot: not Linux, a kernel before 6.1, THP set to never).
+    transparent huge pages; returns the bytes of the 2 MiB pages it collapsed (0 where the
+    system cannot: not Linux, a kernel before 6.1, THP set to never). MADV_COLLAPSE is best
+    effort: a 2 MiB page across two of the heap's mappings, or one without 2 MiB of free
+    contiguous memory to go to, stays on 4 KB pages.
 
     A decode step reads every weight once: on 4 KB pages a page-table walk every 4 KB (the
     TLB reaches a few MB, a model's weights are tens of MB to GBs; in a virtual machine each
