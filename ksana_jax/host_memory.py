@@ -93,6 +93,7 @@ KEPT = keep_freed_blocks()
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25  # Linux 6.1
 HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KB base pages) transparent huge page
+HUGE_PAGES_ENV = "KSANA_JAX_HUGE_PAGES"
 
 
 def _madvise():
@@ -142,9 +143,12 @@ def back_with_huge_pages(arrays) -> int:
     (MADV_COLLAPSE, a copy: ~0.2 s for SmolLM2's 84 MB of int4 weights, ~2.5 s a GB on this
     VM, once, at the engine's start). SmolLM2 int4 at batch 1, 2 cores, three alternating
     rounds: median 230-248 -> 237-249 tok/s, best-3 237-257 -> 255-265. The KV cache is
-    left as it is: 2 GiB took 5.3 s, and attention's reads were not measured to gain."""
+    left as it is: 2 GiB took 5.3 s, and attention's reads were not measured to gain.
+    `KSANA_JAX_HUGE_PAGES=0` (or false, off, no) in the environment turns it off."""
     import jax  # not at the top: this module runs before JAX is set up (see above)
 
+    if os.environ.get(HUGE_PAGES_ENV, "").strip().lower() in ("0", "false", "off", "no"):
+        return 0
     madvise = _madvise()
     if madvise is None:
         return 0

@@ -127,16 +127,27 @@ def _collapse_supported() -> bool:
     return release >= (6, 1)
 
 
-@pytest.mark.skipif(not _collapse_supported(), reason="MADV_COLLAPSE: Linux 6.1, THP on")
-def test_weights_move_onto_huge_pages_and_keep_their_values():
+def _run_huge(env_value: str | None) -> dict:
+    env = dict(os.environ)
+    env.pop(host_memory.HUGE_PAGES_ENV, None)
+    if env_value is not None:
+        env[host_memory.HUGE_PAGES_ENV] = env_value
     out = subprocess.run(
-        [sys.executable, "-c", HUGE_SCRIPT], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", HUGE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not _collapse_supported(), reason="MADV_COLLAPSE: Linux 6.1, THP on")
+def test_weights_move_onto_huge_pages_and_keep_their_values():
+    result = _run_huge(None)
     # MADV_COLLAPSE is best effort (a huge page needs 2 MiB of free contiguous memory), so
     # not every page must make it; but the buffer's mapping gains huge pages, and they hold
     # the same values
     assert result["collapsed"] >= 2 * host_memory.HUGE_PAGE, result
     assert result["after"] >= result["before"] + 2 * 1024, result
     assert result["same"], result
+    off = _run_huge("0")  # KSANA_JAX_HUGE_PAGES=0: nothing is touched
+    assert off["collapsed"] == 0 and off["after"] == off["before"], off
+    assert off["same"], off
