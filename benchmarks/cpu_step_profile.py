@@ -1,7 +1,9 @@
 """Where a CPU decode step's time goes: SmolLM2-135M bfloat16 (weights int8 or int4 with
 --quantization) at batch 1 under
 jax.profiler, each XLA:CPU thunk of the step's executable put in a category (layer
-products, LM head, attention, norms, rope, KV write, ...), averaged over the decode steps.
+products, LM head, attention, norms, ...), averaged over the decode steps. With the cpu
+backend and a float KV, "attention" is one call a layer that also does rotary and the KV
+write (ragged_paged_attention_cpu.attend_layer).
 
     python benchmarks/cpu_step_profile.py [--tokens 64] [--trace-dir DIR] [--quantization int4]
 
@@ -43,6 +45,8 @@ CATEGORIES = {
     "wrapped_multiply": "rms norm",
     "slice_concatenate_fusion": "rope",
     "multiply_add_fusion": "rope",
+    "multiply_cosine_fusion": "rope",
+    "multiply_sine_fusion": "rope",
     "convert_bitcast_fusion": "kv write / page prep",
     "clamp_convert_fusion": "kv write / page prep",
     "pad_bitcast_fusion": "kv write / page prep",
@@ -54,22 +58,21 @@ CATEGORIES = {
 }
 
 
-KV_WRITE_CALL = "kv write (the cpu backend's call)"
+# A dense layer's custom calls, all named `ffi_call`: its q/k/v product, attention (the cpu
+# backend's one call for rotary, the KV write and attention; with a quantized KV, XLA's
+# rotary, quantize and scatter come before it), then its o, gate/up and down products.
+PRODUCTS_BETWEEN_ATTENTIONS = 4  # o, gate/up, down, the next layer's q/k/v
 
 
-def category(name: str, previous_category: str, written: bool, lm_head: str) -> str:
+def category(name: str, previous_category: str, products: int, lm_head: str) -> str:
     """A forward thunk's category, from its name, the category of the thunk before it and
-    whether a layer's KV write ran since the last custom call (`written`). A layer's custom
-    calls all read `ffi_call`, told apart by place: q/k/v product, rope, the KV write (the
-    cpu backend's own call after rope, or XLA's scatter), attention (the first call after
-    the write), o, gate/up, silu * up, down."""
+    the product calls since the last attention call (`products`; the first layer's q/k/v
+    product counts as the fourth, as if an attention had run before the first layer)."""
     base = re.sub(r"[.\d]+$", "", name)
     if name == lm_head:
         return "LM head product"
     if base == "ffi_call":
-        if previous_category == "rope":
-            return KV_WRITE_CALL
-        return "attention" if written else "layer products"
+        return "attention" if products == PRODUCTS_BETWEEN_ATTENTIONS else "layer products"
     if base == "bitcast_multiply_fusion" and previous_category == "layer products":
         return "silu * up"  # after gate/up; before the LM head it is the final norm's
     return CATEGORIES.get(base, f"other ({base})")
@@ -122,14 +125,14 @@ def table(events: list[dict]) -> None:
         for run in module_runs:
             if run[0]["ts"] < first_step:
                 continue  # the prefill's
-            previous_category, written = "", False
+            previous_category, products = "", PRODUCTS_BETWEEN_ATTENTIONS - 1
             for i, e in enumerate(run):
                 if module == forward:
-                    name = category(e["name"], previous_category, written, lm_head)
-                    if e["name"].startswith("wrapped_scatter") or name == KV_WRITE_CALL:
-                        written = True
-                    elif name == "attention":
-                        written = False
+                    name = category(e["name"], previous_category, products, lm_head)
+                    if name == "attention":
+                        products = 0
+                    elif name == "layer products":
+                        products += 1
                 elif "sample" in module:
                     name = "sampler"
                 else:

@@ -289,9 +289,10 @@ def fetch(tree: Any) -> Any:
 
 
 def shard_over_heads(fn: Callable[..., jax.Array], kind: str) -> Callable[..., jax.Array]:
-    """`fn` -- a Pallas attention (kind "attention") or one-layer KV write ("write_layer"),
-    with the signatures in pallas_kernels -- run per device under `shard_map` over the
-    context mesh; without one (or on one device), `fn` itself.
+    """`fn` -- a Pallas attention (kind "attention"), one-layer KV write ("write_layer") or
+    a layer's rotary, write and attention ("attend_layer"), with the signatures in
+    pallas_kernels -- run per device under `shard_map` over the context mesh; without one
+    (or on one device), `fn` itself.
 
     Each device runs the kernel on its own heads: q [T, N/tp, H], k_new/v_new [T, K/model, H]
     and its shard of the KV array; when attention is replicated it runs on all heads.
@@ -330,7 +331,20 @@ def shard_over_heads(fn: Callable[..., jax.Array], kind: str) -> Callable[..., j
         )
         return local(kv, layer_index, k_new, v_new, slot_ids)
 
-    wrappers = {"attention": attention, "write_layer": write_layer}
+    def attend_layer(qkv, kv, layer_index, cos, sin, *rows, **kw):
+        # qkv [T, K, G + 2, H] by KV heads; the output [T, K * G, H] follows them
+        _, heads, kv_spec = specs(kv.pages.shape[2])
+        by_kv_head = P(None, heads[1], None, None)
+        local = jax.shard_map(
+            lambda *args: fn(*args, **kw),
+            mesh=mesh,
+            in_specs=(by_kv_head, kv_spec, P(), P(), P(), *[P()] * len(rows)),
+            out_specs=(heads, kv_spec),
+            check_vma=False,
+        )
+        return local(qkv, kv, layer_index, cos, sin, *rows)
+
+    wrappers = {"attention": attention, "write_layer": write_layer, "attend_layer": attend_layer}
     if kind not in wrappers:
         raise ValueError(f"kind must be one of {list(wrappers)}, got {kind!r}")
     return wrappers[kind]

@@ -35,6 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ksana_jax import pallas_kernels
 from ksana_jax.kv_cache import float_kv
+from ksana_jax.models import layers
 from ksana_jax.pallas_kernels import (
     paged_attention_gpu,
     paged_attention_gpu_launches,
@@ -594,3 +595,104 @@ def test_registry_attention_runs_inside_a_layer_scan(backend):
     _, outs = jax.lax.scan(body, jnp.int32(0), length=NUM_LAYERS)
     want = reference.ragged_paged_attention(*args, spec=AttentionSpec(64**-0.5))
     np.testing.assert_allclose(np.asarray(outs[LAYER]), np.asarray(want), rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- a whole layer
+# The cpu backend's attend_layer (rotary, rounding to the KV dtype, the write and attention
+# in one call) against reference.attend_layer, the composition every other backend runs.
+
+ATTEND_HEADS = dict(num_kv_heads=2, group=3, head_dim=64)
+
+
+def attend_layer_args(rows, dtype, seed, scale=1.0):
+    """attend_layer's arguments for `rows`: qkv [T, K, G + 2, H] random (times `scale`), the
+    tokens' slots from their pages as the engine computes them (padding tokens: the sink)."""
+    _, _, _, kv, layer, page_table, seq_lens, query_starts = make_batch(
+        rows, dtype=dtype, seed=seed, **ATTEND_HEADS
+    )
+    k, g, h = ATTEND_HEADS["num_kv_heads"], ATTEND_HEADS["group"], ATTEND_HEADS["head_dim"]
+    rng = np.random.default_rng(seed + 100)
+    qkv = jnp.asarray(rng.standard_normal((NUM_TOKENS, k, g + 2, h)) * scale, jnp.float32)
+    token_rows, positions, real = reference.token_rows_and_positions(
+        seq_lens, query_starts, NUM_TOKENS
+    )
+    pages = page_table[token_rows, positions // PAGE_SIZE]
+    slots = jnp.where(real, pages * PAGE_SIZE + positions % PAGE_SIZE, 0)
+    inv_freq = (1.0 / 10000.0 ** (np.arange(0, h, 2) / h)).astype(np.float32)
+    cos, sin = layers.rope_tables(positions, inv_freq)
+    return qkv, kv, layer, cos, sin, slots, page_table, seq_lens, query_starts
+
+
+def check_attend_layer(args, spec):
+    want_out, want_kv = jax.jit(reference.attend_layer, static_argnames="spec")(*args, spec=spec)
+    got_out, got_kv = jax.jit(ragged_paged_attention_cpu.attend_layer, static_argnames="spec")(
+        *args, spec=spec
+    )
+    # The pages bit for bit, NaN where neither wrote; the sink page (page 0) aside, which
+    # padding tokens write in an order a scatter leaves open.
+    np.testing.assert_array_equal(
+        np.asarray(got_kv.pages[:, :, :, 1:].astype(jnp.float32)),
+        np.asarray(want_kv.pages[:, :, :, 1:].astype(jnp.float32)),
+    )
+    assert got_out.shape == want_out.shape and got_out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), rtol=0, atol=1e-5)
+    num_real = int(args[-1][-1])
+    assert np.all(np.asarray(got_out[num_real:]) == 0.0)
+    return got_kv
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_cpu_attend_layer_matches_the_composition(dtype):
+    specs = [AttentionSpec(0.125), AttentionSpec(0.125, sliding_window=20, logit_softcap=30.0)]
+    for seed, (name, rows) in enumerate(SCENARIOS.items()):
+        try:
+            check_attend_layer(attend_layer_args(rows, dtype, seed), specs[seed % 2])
+        except AssertionError as e:
+            raise AssertionError(f"scenario {name!r}: {e}") from None
+
+
+def test_cpu_attend_layer_clips_float16_keys_and_values():
+    """Keys and values past float16's range are written as +-65504, never inf, as
+    kv_cache.to_kv_dtype rounds them."""
+    args = attend_layer_args(SCENARIOS["mixed"], jnp.float16, seed=3, scale=1e5)
+    got_kv = check_attend_layer(args, AttentionSpec(1e-6))
+    written = np.asarray(got_kv.pages[LAYER, :, :, 1:].astype(jnp.float32))
+    assert np.nanmax(np.abs(written)) == 65504.0 and not np.isinf(written).any()
+
+
+def test_cpu_attend_layer_is_one_call_writing_the_donated_kv():
+    """Under a donating jit, as the engine's step runs it: one custom call (no split,
+    rotary or convert fusions, no scatter), its second result the donated pages."""
+    args = attend_layer_args(SCENARIOS["decode"], jnp.bfloat16, seed=4)
+    spec = AttentionSpec(0.125)
+    step = jax.jit(
+        lambda *a: ragged_paged_attention_cpu.attend_layer(*a, spec=spec), donate_argnums=1
+    )
+    text = step.lower(*args).compile().as_text()
+    assert text.count("custom_call_target=") == 1
+    assert f'custom_call_target="{ragged_paged_attention_cpu.ATTEND_TARGET}"' in text
+    assert "fusion" not in text and "scatter" not in text
+    want = reference.attend_layer(*args, spec=spec)[1].pages
+    pointer = args[1].pages.unsafe_buffer_pointer()
+    got = step(*args)[1].pages
+    assert got.unsafe_buffer_pointer() == pointer
+    np.testing.assert_array_equal(
+        np.asarray(got[:, :, :, 1:].astype(jnp.float32)),
+        np.asarray(want[:, :, :, 1:].astype(jnp.float32)),
+    )
+
+
+def test_cpu_attend_layer_rejects_bad_shapes():
+    qkv, kv, *rest = attend_layer_args(SCENARIOS["decode"], jnp.float32, seed=5)
+    spec = AttentionSpec(0.125)
+    with pytest.raises(ValueError, match="qkv must be"):
+        ragged_paged_attention_cpu.attend_layer(qkv[:, :1], kv, *rest, spec=spec)
+    layer, cos, sin, slots, *tables = rest
+    with pytest.raises(ValueError, match=r"cos .* and sin .* must be"):
+        ragged_paged_attention_cpu.attend_layer(
+            qkv, kv, layer, cos[:, :4], sin, slots, *tables, spec=spec
+        )
+    with pytest.raises(ValueError, match="slot_ids must be"):
+        ragged_paged_attention_cpu.attend_layer(
+            qkv, kv, layer, cos, sin, slots[:3], *tables, spec=spec
+        )

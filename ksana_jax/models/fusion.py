@@ -181,14 +181,6 @@ def unfuse(flat: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Any]:
 # --------------------------------------------------------------------------- compute
 
 
-def split_qkv(y: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The product of x f32[T, D] and `wqkv` f32[T, (N + 2K) * H] -> q f32[T, N, H],
-    k f32[T, K, H], v f32[T, K, H] (query head n belongs to KV head n // (N / K))."""
-    n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    grouped = y.reshape(y.shape[0], k, n // k + 2, h)
-    return grouped[:, :, :-2].reshape(y.shape[0], n, h), grouped[:, :, -2], grouped[:, :, -1]
-
-
 def split_gate_up(y: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The product of x f32[T, D] and `w_gate_up` f32[T, 2F] -> gate, up f32[T, F]."""
     pairs = y.reshape(*y.shape[:-1], -1, 2)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ksana_jax import pallas_kernels, quant
 from ksana_jax.config import ModelConfig
-from ksana_jax.kv_cache import KVCache, to_kv_dtype
+from ksana_jax.kv_cache import KVCache
 from ksana_jax.models import fusion
 from ksana_jax.pallas_kernels import linear_cpu, quant_matmul
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
@@ -143,31 +143,30 @@ def rope_inv_freq(cfg: ModelConfig, layer_index: int = 0) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half rotary embedding: x f32[T, heads, H], positions i32[T] -> f32[T, heads, H]."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, H/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, H]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos and sin f32[T, H/2] of each token's rotary angles, positions i32[T] times
+    `inv_freq` (rope_inv_freq): what `reference.rotate` turns q and k by."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(freqs), jnp.sin(freqs)
 
 
 def qkv_projection(
     cfg: ModelConfig, layer: dict, x: jax.Array, norm: RMSNorm | None = None
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x f32[T, D] (normed by `norm` first when given) -> q f32[T, N, H], k f32[T, K, H],
-    v f32[T, K, H] (biases added): one product with the layer's fused `wqkv` (fusion.py), or
-    three with wq / wk / wv where the checkpoint's parts could not be fused."""
+) -> jax.Array:
+    """x f32[T, D] (normed by `norm` first when given) -> qkv f32[T, K, N/K + 2, H], per KV
+    head its query heads, its key and its value (biases added): the product with the layer's
+    fused `wqkv` (fusion.py) as it comes, or three products with wq / wk / wv, where the
+    checkpoint's parts could not be fused, put in that order."""
+    t, k, h = x.shape[0], cfg.num_key_value_heads, cfg.head_dim
     if "wqkv" in layer:
-        return fusion.split_qkv(linear(x, layer["wqkv"], layer.get("bqkv"), norm=norm), cfg)
+        return linear(x, layer["wqkv"], layer.get("bqkv"), norm=norm).reshape(t, k, -1, h)
     if norm is not None:
         x = rms_norm(x, *norm)
-    t, h = x.shape[0], cfg.head_dim
-    return tuple(
-        linear(x, layer[w], layer.get(b)).reshape(t, -1, h)
+    q, k_new, v_new = (
+        linear(x, layer[w], layer.get(b)).reshape(t, k, -1, h)
         for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))
     )
+    return jnp.concatenate([q, k_new, v_new], axis=2)
 
 
 def gated_mlp(
@@ -214,39 +213,25 @@ def paged_attention(
     inputs: StepInputs,
     kv: KVCache,
     layer_index: int,
-    q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
+    qkv: jax.Array,
     backend: str,
 ) -> tuple[jax.Array, KVCache]:
-    """Writes this step's K/V of one layer into the pages, then attends: q f32[T, N, H],
-    k_new/v_new f32[T, K, H] -> (f32[T, N, H], kv).
-
-    The write comes first and attention reads the written array (earlier tokens from the
-    pages, this step's from k_new/v_new). That data dependency orders each layer's page
-    reads before the next layer's write, so XLA updates the donated KV in place; reading
-    first and writing after lets it schedule the write early and copy the whole array.
-    """
-    # Round through the KV dtype so this step attends to exactly what later steps will read:
-    # float pages are written in their dtype; quantized ones are written from float (the
-    # writer quantizes), then attention gets the same rows quantized and dequantized.
-    dtype = kv.pages.dtype
-    if not kv.quantized:
-        k_new, v_new = to_kv_dtype(k_new, dtype), to_kv_dtype(v_new, dtype)
+    """qkv f32[T, K, N/K + 2, H] (`qkv_projection`) -> rotary on q and k (at the tokens'
+    positions, with the layer's frequencies), this step's K/V written into the pages, then
+    attention -> (f32[T, N, H], kv): the backend's `layer_attention`
+    (`reference.attend_layer`'s semantics; the cpu backend runs it as one call)."""
+    cos, sin = rope_tables(inputs.positions, rope_inv_freq(cfg, layer_index))
     interpret = pallas_kernels.get_backend(backend).interpreted_here()
-    write = pallas_kernels.get_layer_kv_writer(backend, interpret)
-    kv = write(kv, layer_index, k_new, v_new, inputs.slot_ids)
-    if kv.quantized:
-        k_new, v_new = to_kv_dtype(k_new, dtype), to_kv_dtype(v_new, dtype)
-    out = pallas_kernels.get_attention(backend, interpret)(
-        q,
-        k_new,
-        v_new,
+    attend = pallas_kernels.get_backend(backend).layer_attention(interpret)
+    return attend(
+        qkv,
         kv,
-        jnp.int32(layer_index),
+        layer_index,
+        cos,
+        sin,
+        inputs.slot_ids,
         inputs.page_table,
         inputs.seq_lens,
         inputs.query_starts,
         spec=attention_spec(cfg, layer_index),
     )
-    return out, kv

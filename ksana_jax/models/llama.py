@@ -41,13 +41,11 @@ from ksana_jax.config import (
 from ksana_jax.kv_cache import KVCache
 from ksana_jax.models.layers import (
     RMSNorm,
-    apply_rope,
     embed_rows,
     linear,
     paged_attention,
     qkv_projection,
     rms_norm,
-    rope_inv_freq,
 )
 from ksana_jax.models.moe import feed_forward
 from ksana_jax.models.registry import Family, LayerParams, Params
@@ -274,20 +272,25 @@ def attention_block(
     norm: RMSNorm | None = None,
     residual: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Projections, optional q/k norm, rotary and paged attention of x f32[T, D] (normed by
-    `norm` first when given) -> [residual +] the attention output projected back f32[T, D],
-    and kv with this layer's K/V written. `norm_offset` is the q/k norms' (1.0 for Gemma's
-    (1 + w) norms). The norm and the residual add run inside the products (layers.linear)."""
+    """Projections, optional q/k norm, then rotary and paged attention (layers.paged_attention)
+    of x f32[T, D] (normed by `norm` first when given) -> [residual +] the attention output
+    projected back f32[T, D], and kv with this layer's K/V written. `norm_offset` is the q/k
+    norms' (1.0 for Gemma's (1 + w) norms). The norm and the residual add run inside the
+    products (layers.linear)."""
     num_tokens = x.shape[0]
     n, h = cfg.num_attention_heads, cfg.head_dim
-    q, k_new, v_new = qkv_projection(cfg, layer, x, norm)
+    qkv = qkv_projection(cfg, layer, x, norm)  # [T, K, N/K + 2, H]
     if cfg.qk_norm:
-        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, norm_offset)
-        k_new = rms_norm(k_new, layer["k_norm"], cfg.rms_norm_eps, norm_offset)
-    inv_freq = rope_inv_freq(cfg, layer_index)
-    q = apply_rope(q, inputs.positions, inv_freq)
-    k_new = apply_rope(k_new, inputs.positions, inv_freq)
-    attn, kv = paged_attention(cfg, inputs, kv, layer_index, q, k_new, v_new, backend)
+        eps = cfg.rms_norm_eps
+        qkv = jnp.concatenate(
+            [
+                rms_norm(qkv[:, :, :-2], layer["q_norm"], eps, norm_offset),
+                rms_norm(qkv[:, :, -2:-1], layer["k_norm"], eps, norm_offset),
+                qkv[:, :, -1:],
+            ],
+            axis=2,
+        )
+    attn, kv = paged_attention(cfg, inputs, kv, layer_index, qkv, backend)
     out = linear(attn.reshape(num_tokens, n * h), layer["wo"], layer.get("bo"), residual=residual)
     return out, kv
 

@@ -12,17 +12,23 @@ and the KV writers two (semantics: `reference.write_kv_pages`, `reference.write_
     write(kv [L, 2, K, num_pages, page_size, H], new_kv [L, 2, T, K, H], slot_ids i32[T]) -> kv
     write_layer(kv, layer_index, k_new [T, K, H], v_new [T, K, H], slot_ids i32[T]) -> kv
 
+A layer's rotary, write and attention together have one more (semantics:
+`reference.attend_layer`, the composition of the two above):
+
+    attend_layer(qkv [T, K, N/K + 2, H], kv, layer_index, cos [T, H/2], sin [T, H/2],
+                 slot_ids, page_table, seq_lens, query_starts, *, spec) -> (f32[T, N, H], kv)
+
 Backends (`BACKENDS`, keyed by config.AttentionBackendName, the one list of their names):
 "reference" (pure jnp, one gather of the whole context per token: the oracle), "cpu"
 (ragged_paged_attention_cpu.py/.cc: a C++ XLA FFI kernel built at first use; the CPU path;
-one layer's float KV rows are copied in place by a second call there, quantized ones and the
-every-layer write are the reference's), "xla" (ragged_paged_attention_xla.py: the oracle in jnp
-grouped by sequence, a flash-style loop over the context; the CPU path where no C++
-compiler is at hand; the reference's KV writes), "pallas_tpu" (ragged_paged_attention_tpu.py,
-write_kv_pages_tpu.py: Mosaic), "pallas_gpu" (paged_attention_gpu.py, write_kv_pages_gpu.py:
-Triton); attention_args.py checks the arguments for every kernel. Every backend implements
-every AttentionSpec feature (sliding window, logit soft-cap), and with a window the kernels
-skip KV pages wholly before it.
+with float pages a layer's rotary, KV write and attention are one call, quantized pages and
+the every-layer write take the reference's write), "xla" (ragged_paged_attention_xla.py: the
+oracle in jnp grouped by sequence, a flash-style loop over the context; the CPU path where
+no C++ compiler is at hand; the reference's KV writes), "pallas_tpu"
+(ragged_paged_attention_tpu.py, write_kv_pages_tpu.py: Mosaic), "pallas_gpu"
+(paged_attention_gpu.py, write_kv_pages_gpu.py: Triton); attention_args.py checks the
+arguments for every kernel. Every backend implements every AttentionSpec feature (sliding
+window, logit soft-cap), and with a window the kernels skip KV pages wholly before it.
 
 An `AttentionBackend` states what it supports -- platforms, parameter and KV dtypes, spec
 features, the KV layouts its kernels read, whether it runs on CPU only in Pallas's
@@ -60,6 +66,7 @@ from ksana_jax.sharding import shard_over_heads
 AttentionFn = Callable[..., jax.Array]
 KVWriteFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 LayerKVWriteFn = Callable[..., jax.Array]
+LayerAttentionFn = Callable[..., tuple[jax.Array, typing.Any]]
 
 # KV page dtypes by their numpy names (kv_cache.resolve_kv_dtype's results).
 _FLOAT_KV_DTYPES = ("float32", "bfloat16", "float16")
@@ -134,6 +141,19 @@ class AttentionBackend:
             return reference.write_layer_kv
         kernel = functools.partial(module.write_layer_kv, interpret=interpret)
         return shard_over_heads(kernel, "write_layer")
+
+    def layer_attention(self, interpret: bool = False) -> LayerAttentionFn:
+        """A layer's rotary, KV write and attention (`reference.attend_layer`'s signature):
+        the attention module's own `attend_layer` where it has one, else the reference's
+        composition of this backend's one-layer writer and attention."""
+        module = self._module(self.attention_module, interpret)
+        if module is not None and hasattr(module, "attend_layer"):
+            return shard_over_heads(module.attend_layer, "attend_layer")
+        return functools.partial(
+            reference.attend_layer,
+            write=self.layer_kv_writer(interpret),
+            attention=self.attention(interpret),
+        )
 
     def check(
         self,

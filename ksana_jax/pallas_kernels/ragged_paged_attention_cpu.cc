@@ -557,13 +557,8 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb, const std::vector<Item>
   ksana_cpu_pool::run_on_pool(pool, count, /*spin=*/awake, run);
 }
 
-ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
-                     ffi::AnyBuffer v_new, ffi::AnyBuffer kv, ffi::Buffer<ffi::F32> scales,
-                     ffi::Buffer<ffi::S32> layer_index, ffi::Buffer<ffi::S32> page_table,
-                     ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_starts,
-                     ffi::ResultBuffer<ffi::F32> out, float sm_scale,
-                     int32_t sliding_window, float logit_softcap) {
-  Problem pb;
+// The pages' kind and item size into pb.
+ffi::Error page_kind(const ffi::AnyBuffer& kv, Problem& pb) {
   switch (kv.element_type()) {
     case ffi::F32: pb.kind = Kind::kF32; pb.itemsize = 4; break;
     case ffi::BF16: pb.kind = Kind::kBF16; pb.itemsize = 2; break;
@@ -574,24 +569,20 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
       return ffi::Error::InvalidArgument(
           "kv must be float32, bfloat16, float16, int8 or float8_e4m3fn");
   }
-  const bool quantized = pb.kind == Kind::kI8 || pb.kind == Kind::kF8E4M3;
-  const auto new_type = quantized ? ffi::F32 : kv.element_type();
-  if (k_new.element_type() != new_type || v_new.element_type() != new_type)
-    return ffi::Error::InvalidArgument(
-        "k_new and v_new must have a float kv's dtype, float32 for a quantized kv");
-  pb.new_kind = quantized ? Kind::kF32 : pb.kind;
-  pb.new_itemsize = quantized ? 4 : pb.itemsize;
-  pb.scales = nullptr;
-  if (quantized) {
-    const auto scale_dims = scales.dimensions();
-    const auto dims = kv.dimensions();
-    if (scale_dims.size() != 5 || scale_dims[0] != dims[0] || scale_dims[1] != 2 ||
-        scale_dims[2] != dims[2] || scale_dims[3] != dims[3] || scale_dims[4] != dims[4])
-      return ffi::Error::InvalidArgument("scales must be [L, 2, K, num_pages, page_size]");
-    pb.scales = scales.typed_data();
-  }
-  const auto q_dims = q.dimensions();
+  return ffi::Error::Success();
+}
+
+// The step's shapes (q's or out's dims: [T, N, H]) and arrays into pb (q, k_new, v_new and
+// the pages' data are the caller's), checked.
+ffi::Error set_problem(ffi::Span<const int64_t> q_dims, const ffi::AnyBuffer& kv,
+                       const ffi::Buffer<ffi::S32>& layer_index,
+                       const ffi::Buffer<ffi::S32>& page_table,
+                       const ffi::Buffer<ffi::S32>& seq_lens,
+                       const ffi::Buffer<ffi::S32>& query_starts, float* out, float sm_scale,
+                       int32_t sliding_window, float logit_softcap, Problem& pb) {
   const auto kv_dims = kv.dimensions();
+  if (q_dims.size() != 3 || kv_dims.size() != 6 || kv_dims[1] != 2 || kv_dims[5] != q_dims[2])
+    return ffi::Error::InvalidArgument("q must be [T, N, H] and kv [L, 2, K, pages, page, H]");
   pb.num_tokens = q_dims[0];
   pb.num_heads = q_dims[1];
   pb.head_dim = q_dims[2];
@@ -601,27 +592,26 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   pb.pages_per_seq = page_table.dimensions()[1];
   if (pb.head_dim > kMaxHeadDim || pb.num_heads / pb.num_kv_heads > kMaxGroup)
     return ffi::Error::InvalidArgument("head_dim must be <= 256 and query heads per KV head <= 16");
-  pb.q = q.typed_data();
-  pb.k_new = static_cast<const char*>(k_new.untyped_data());
-  pb.v_new = static_cast<const char*>(v_new.untyped_data());
-  pb.kv = static_cast<const char*>(kv.untyped_data());
   pb.layer = layer_index.typed_data()[0];
+  if (pb.layer < 0 || pb.layer >= kv_dims[0])
+    return ffi::Error::InvalidArgument("layer_index out of range");
   pb.page_table = page_table.typed_data();
   pb.seq_lens = seq_lens.typed_data();
   pb.query_starts = query_starts.typed_data();
-  pb.out = out->typed_data();
+  pb.out = out;
   pb.sm_scale = sm_scale;
   pb.sliding_window = sliding_window;
   pb.logit_softcap = logit_softcap;
   if (sliding_window < 0 || logit_softcap < 0.0f)
     return ffi::Error::InvalidArgument("sliding_window and logit_softcap must be >= 0");
-  std::memset(pb.out, 0, sizeof(float) * pb.num_tokens * pb.num_heads * pb.head_dim);
+  return ffi::Error::Success();
+}
 
-  // Every row is checked while the items are listed, before anything is read: a bad step
-  // is an error, never a stray read.
-  const int64_t num_seqs = seq_lens.dimensions()[0];
-  if (pb.layer < 0 || pb.layer >= kv_dims[0])
-    return ffi::Error::InvalidArgument("layer_index out of range");
+// Lists the step's items, checking every row before anything is read (a bad step is an
+// error, never a stray read), and runs them.
+ffi::Error attend_rows(ffi::ThreadPool& pool, const Problem& pb, int64_t num_seqs) {
+  std::memset(pb.out, 0, sizeof(float) * pb.num_tokens * pb.num_heads * pb.head_dim);
+  const int32_t sliding_window = pb.sliding_window;
   std::vector<Item> items;
   for (int32_t s = 0; s < num_seqs; ++s) {
     const int64_t start = pb.query_starts[s], num_new = pb.query_starts[s + 1] - start;
@@ -655,11 +645,72 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
+                     ffi::AnyBuffer v_new, ffi::AnyBuffer kv, ffi::Buffer<ffi::F32> scales,
+                     ffi::Buffer<ffi::S32> layer_index, ffi::Buffer<ffi::S32> page_table,
+                     ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_starts,
+                     ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                     int32_t sliding_window, float logit_softcap) {
+  Problem pb;
+  ffi::Error error = page_kind(kv, pb);
+  if (error.failure()) return error;
+  const bool quantized = pb.kind == Kind::kI8 || pb.kind == Kind::kF8E4M3;
+  const auto new_type = quantized ? ffi::F32 : kv.element_type();
+  if (k_new.element_type() != new_type || v_new.element_type() != new_type)
+    return ffi::Error::InvalidArgument(
+        "k_new and v_new must have a float kv's dtype, float32 for a quantized kv");
+  pb.new_kind = quantized ? Kind::kF32 : pb.kind;
+  pb.new_itemsize = quantized ? 4 : pb.itemsize;
+  pb.scales = nullptr;
+  if (quantized) {
+    const auto scale_dims = scales.dimensions();
+    const auto dims = kv.dimensions();
+    if (scale_dims.size() != 5 || scale_dims[0] != dims[0] || scale_dims[1] != 2 ||
+        scale_dims[2] != dims[2] || scale_dims[3] != dims[3] || scale_dims[4] != dims[4])
+      return ffi::Error::InvalidArgument("scales must be [L, 2, K, num_pages, page_size]");
+    pb.scales = scales.typed_data();
+  }
+  error = set_problem(q.dimensions(), kv, layer_index, page_table, seq_lens, query_starts, out->typed_data(),
+                      sm_scale, sliding_window, logit_softcap, pb);
+  if (error.failure()) return error;
+  pb.q = q.typed_data();
+  pb.k_new = static_cast<const char*>(k_new.untyped_data());
+  pb.v_new = static_cast<const char*>(v_new.untyped_data());
+  pb.kv = static_cast<const char*>(kv.untyped_data());
+  return attend_rows(pool, pb, seq_lens.dimensions()[0]);
+}
+
+// One layer's new rows k_new / v_new [T, K, H] (`row_bytes` each, in the pages' dtype) into
+// their slots of the pages [L, 2, K, num_pages, page_size, H] at `dst`. A slot outside the
+// pages is skipped, as XLA's scatter drops it.
+void write_rows(char* dst, const ffi::AnyBuffer& pages, int64_t layer, const char* k_new,
+                const char* v_new, const int32_t* slot, int64_t num_tokens, int64_t row_bytes) {
+  const auto dims = pages.dimensions();
+  const int64_t num_kv_heads = dims[2], slots = dims[3] * dims[4];
+  const char* news[2] = {k_new, v_new};
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slot[t] < 0 || slot[t] >= slots) continue;
+    for (int64_t which = 0; which < 2; ++which)
+      for (int64_t k = 0; k < num_kv_heads; ++k) {
+        const int64_t row = ((layer * 2 + which) * num_kv_heads + k) * slots + slot[t];
+        std::memcpy(dst + row * row_bytes, news[which] + (t * num_kv_heads + k) * row_bytes,
+                    row_bytes);
+      }
+  }
+}
+
+// The result buffer aliased to the pages (XLA could not alias: a copy of them first).
+char* pages_in_place(const ffi::AnyBuffer& pages, ffi::Result<ffi::AnyBuffer>& out) {
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != pages.untyped_data()) std::memcpy(dst, pages.untyped_data(), pages.size_bytes());
+  return dst;
+}
+
 // One layer's new keys and values k_new / v_new [T, K, H] (in the pages' float dtype) into
 // their slots of pages [L, 2, K, num_pages, page_size, H], in place: the result is the
 // pages' own buffer (the Python side aliases it to the operand). reference.write_layer_kv's
 // semantics, without XLA:CPU's scatter and the padding of a one-row write it needs (four
-// thunks a layer at batch 1). A slot outside the pages is skipped, as the scatter drops it.
+// thunks a layer at batch 1).
 ffi::Error WriteLayerKV(ffi::AnyBuffer pages, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
                         ffi::Buffer<ffi::S32> layer_index, ffi::Buffer<ffi::S32> slot_ids,
                         ffi::Result<ffi::AnyBuffer> out) {
@@ -669,7 +720,6 @@ ffi::Error WriteLayerKV(ffi::AnyBuffer pages, ffi::AnyBuffer k_new, ffi::AnyBuff
   if (dims.size() != 6 || dims[1] != 2)
     return ffi::Error::InvalidArgument("pages must be [L, 2, K, num_pages, page_size, H]");
   const int64_t num_layers = dims[0], num_kv_heads = dims[2], head_dim = dims[5];
-  const int64_t slots = dims[3] * dims[4];
   const int64_t num_tokens = slot_ids.element_count();
   if (k_dims.size() != 3 || k_dims[0] != num_tokens || k_dims[1] != num_kv_heads ||
       k_dims[2] != head_dim || v_dims.size() != 3 || v_dims[0] != num_tokens ||
@@ -681,24 +731,137 @@ ffi::Error WriteLayerKV(ffi::AnyBuffer pages, ffi::AnyBuffer k_new, ffi::AnyBuff
   const int64_t layer = layer_index.typed_data()[0];
   if (layer < 0 || layer >= num_layers)
     return ffi::Error::InvalidArgument("layer_index out of range");
-  char* dst = static_cast<char*>(out->untyped_data());
-  if (dst != pages.untyped_data())  // not aliased (XLA could not): the pages as they were
-    std::memcpy(dst, pages.untyped_data(), pages.size_bytes());
+  char* dst = pages_in_place(pages, out);
   if (pages.element_count() == 0) return ffi::Error::Success();
   const int64_t row_bytes = head_dim * (pages.size_bytes() / pages.element_count());
-  const int32_t* slot = slot_ids.typed_data();
-  const char* news[2] = {static_cast<const char*>(k_new.untyped_data()),
-                         static_cast<const char*>(v_new.untyped_data())};
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    if (slot[t] < 0 || slot[t] >= slots) continue;
-    for (int64_t which = 0; which < 2; ++which)
-      for (int64_t k = 0; k < num_kv_heads; ++k) {
-        const int64_t row = ((layer * 2 + which) * num_kv_heads + k) * slots + slot[t];
-        std::memcpy(dst + row * row_bytes, news[which] + (t * num_kv_heads + k) * row_bytes,
-                    row_bytes);
-      }
-  }
+  write_rows(dst, pages, layer, static_cast<const char*>(k_new.untyped_data()),
+             static_cast<const char*>(v_new.untyped_data()), slot_ids.typed_data(), num_tokens,
+             row_bytes);
   return ffi::Error::Success();
+}
+
+// float32 to bfloat16 / float16 as XLA's convert: rounded to nearest even, NaN kept NaN.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline uint16_t f32_to_f16(float f) {
+#if defined(__F16C__)
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;  // rounds past 65504: inf
+  if (magnitude < 0x38800000u) {  // below 2^-14: a subnormal (or zero) of 2^-24 steps
+    float m;
+    std::memcpy(&m, &magnitude, 4);
+    return sign | static_cast<uint16_t>(std::nearbyint(m * 16777216.0f));
+  }
+  const uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);
+  return sign | static_cast<uint16_t>((rounded - (112u << 23)) >> 13);
+#endif
+}
+
+// A row of n float32 values into a float page row of `kind`, as kv_cache.to_kv_dtype casts
+// it: float16 clipped to its range first (never inf).
+void store_row(Kind kind, const float* src, char* dst, int64_t n) {
+  if (kind == Kind::kF32) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  if (kind == Kind::kBF16) {
+    for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(src[i]);
+    return;
+  }
+  constexpr float kF16Max = 65504.0f;
+  for (int64_t i = 0; i < n; ++i) out[i] = f32_to_f16(std::clamp(src[i], -kF16Max, kF16Max));
+}
+
+// Rotate-half rotary of a row x [H] (cos, sin [H/2] at its token's position) into out, as
+// reference.rotate: x * [cos, cos] + [-x2, x1] * [sin, sin].
+inline void rotate(const float* x, int64_t head_dim, const float* cos, const float* sin,
+                   float* out) {
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    out[i] = x[i] * cos[i] + -x[i + half] * sin[i];
+    out[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
+  }
+}
+
+// Rotary, one layer's KV write and attention in one call, reference.attend_layer for float
+// pages. qkv [T, K, G + 2, H] float32 before rotary holds, per KV head k, its G query heads
+// (query head k * G + g), its key and its value (the fused q/k/v product's rows, fusion.py);
+// cos and sin [T, H/2] at each token's position. The keys and values are rounded to the
+// pages' dtype and written at slot_ids into the pages (aliased to the second result), then
+// attention reads the step's own keys and values as written. On a batch-1 step this is one
+// call where the q/k/v split, rotary, two converts, the write and attention were five
+// XLA:CPU thunks a layer or more.
+ffi::Error WriteAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::AnyBuffer pages,
+                       ffi::Buffer<ffi::S32> layer_index, ffi::Buffer<ffi::F32> cos,
+                       ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slot_ids,
+                       ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> seq_lens,
+                       ffi::Buffer<ffi::S32> query_starts, ffi::ResultBuffer<ffi::F32> out,
+                       ffi::Result<ffi::AnyBuffer> pages_out, float sm_scale,
+                       int32_t sliding_window, float logit_softcap) {
+  Problem pb;
+  ffi::Error error = page_kind(pages, pb);
+  if (error.failure()) return error;
+  if (pb.kind == Kind::kI8 || pb.kind == Kind::kF8E4M3)
+    return ffi::Error::InvalidArgument("pages must be float32, bfloat16 or float16");
+  const auto qkv_dims = qkv.dimensions();
+  const auto out_dims = out->dimensions();
+  if (qkv_dims.size() != 4 || qkv_dims[2] < 3 || out_dims.size() != 3 ||
+      out_dims[0] != qkv_dims[0] || out_dims[1] != qkv_dims[1] * (qkv_dims[2] - 2) ||
+      out_dims[2] != qkv_dims[3])
+    return ffi::Error::InvalidArgument("qkv must be [T, K, G + 2, H] and out [T, K * G, H]");
+  error = set_problem(out->dimensions(), pages, layer_index, page_table, seq_lens, query_starts,
+                      out->typed_data(), sm_scale, sliding_window, logit_softcap, pb);
+  if (error.failure()) return error;
+  const int64_t t = pb.num_tokens, k = pb.num_kv_heads, h = pb.head_dim;
+  const int64_t group = qkv_dims[2] - 2;
+  if (qkv_dims[1] != k)
+    return ffi::Error::InvalidArgument("qkv's K must be the pages' KV heads");
+  if (h % 2 || cos.element_count() != t * (h / 2) || sin.element_count() != t * (h / 2) ||
+      slot_ids.element_count() != t)
+    return ffi::Error::InvalidArgument("cos and sin must be [T, H/2] (H even), slot_ids [T]");
+  // The step's rows, kept per thread (a decode step makes one call a layer).
+  static thread_local std::vector<float> q_rotated, k_rotated;
+  static thread_local std::vector<char> k_rows, v_rows;
+  q_rotated.resize(t * k * group * h);
+  k_rotated.resize(h);
+  const int64_t row_bytes = h * pb.itemsize;
+  k_rows.resize(t * k * row_bytes);
+  v_rows.resize(t * k * row_bytes);
+  for (int64_t i = 0; i < t; ++i) {
+    const float* c = cos.typed_data() + i * (h / 2);
+    const float* s = sin.typed_data() + i * (h / 2);
+    for (int64_t j = 0; j < k; ++j) {
+      const float* heads = qkv.typed_data() + (i * k + j) * (group + 2) * h;
+      for (int64_t g = 0; g < group; ++g)
+        rotate(heads + g * h, h, c, s, q_rotated.data() + ((i * k + j) * group + g) * h);
+      rotate(heads + group * h, h, c, s, k_rotated.data());
+      store_row(pb.kind, k_rotated.data(), k_rows.data() + (i * k + j) * row_bytes, h);
+      store_row(pb.kind, heads + (group + 1) * h, v_rows.data() + (i * k + j) * row_bytes, h);
+    }
+  }
+  char* dst = pages_in_place(pages, pages_out);
+  write_rows(dst, pages, pb.layer, k_rows.data(), v_rows.data(), slot_ids.typed_data(), t,
+             row_bytes);
+  pb.new_kind = pb.kind;
+  pb.new_itemsize = pb.itemsize;
+  pb.scales = nullptr;
+  pb.q = q_rotated.data();
+  pb.k_new = k_rows.data();
+  pb.v_new = v_rows.data();
+  pb.kv = dst;
+  return attend_rows(pool, pb, seq_lens.dimensions()[0]);
 }
 
 }  // namespace
@@ -731,3 +894,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaWriteLayerKvCpu, WriteLayerKV,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer_index
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_ids [T]
                                   .Ret<ffi::AnyBuffer>());       // pages
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaWriteAttendCpu, WriteAttend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // qkv [T, K, G + 2, H]
+                                  .Arg<ffi::AnyBuffer>()  // pages (aliased to the 2nd result)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer_index
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos [T, H/2]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin [T, H/2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_ids [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_starts
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, K * G, H]
+                                  .Ret<ffi::AnyBuffer>()         // pages
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("logit_softcap"));

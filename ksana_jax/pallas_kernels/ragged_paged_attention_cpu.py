@@ -9,6 +9,10 @@ per KV head, in tiles converted to float32, with an online softmax in float32, o
 intra-op threads. Quantized pages (int8, float8_e4m3fn) are dequantized with their row
 scales as each tile is converted; the step's own k_new / v_new then come as float32.
 
+With float pages, a layer's rotary, KV write and attention are one call (`attend_layer`):
+at batch 1 a decode layer's attention was five XLA:CPU thunks (rotary, two converts to the
+KV dtype, the write, attention), each a microsecond or two beside the products.
+
 It is compiled at first use (cpu_build.py: the system C++ compiler, once per machine).
 `available()` says whether that worked; "auto" on CPU picks this backend when it does and
 the xla backend otherwise.
@@ -33,6 +37,8 @@ TARGET = "ksana_ragged_paged_attention_cpu"
 _SYMBOL = "KsanaRaggedPagedAttentionCpu"
 WRITE_TARGET = "ksana_write_layer_kv_cpu"
 _WRITE_SYMBOL = "KsanaWriteLayerKvCpu"
+ATTEND_TARGET = "ksana_write_attend_cpu"
+_ATTEND_SYMBOL = "KsanaWriteAttendCpu"
 MAX_HEAD_DIM, MAX_GROUP = 256, 16  # kMaxHeadDim, kMaxGroup in the .cc
 KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn")  # Kind in the .cc
 
@@ -126,6 +132,81 @@ def write_layer_kv(
         kv.pages, k_new.astype(dtype), v_new.astype(dtype), layer, slot_ids.astype(jnp.int32)
     )
     return KVCache(pages, kv.scales)
+
+
+def attend_layer(
+    qkv: jax.Array,
+    kv: KVCache,
+    layer_index: int | jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    slot_ids: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_starts: jax.Array,
+    *,
+    spec: AttentionSpec,
+) -> tuple[jax.Array, KVCache]:
+    """reference.attend_layer (same arguments and result): for float pages one custom call
+    splits qkv, rotates q and k, rounds k and v to the pages' dtype, writes them in place
+    (the pages aliased to its second result) and attends; quantized pages take the
+    reference's composition with this kernel's attention."""
+    if kv.quantized:
+        return reference.attend_layer(
+            qkv,
+            kv,
+            layer_index,
+            cos,
+            sin,
+            slot_ids,
+            page_table,
+            seq_lens,
+            query_starts,
+            spec=spec,
+            write=write_layer_kv,
+            attention=ragged_paged_attention,
+        )
+    if qkv.ndim != 4 or qkv.shape[2] < 3 or qkv.shape[1] != kv.pages.shape[2]:
+        raise ValueError(
+            f"qkv must be [T, K, G + 2, H] with the KV's K = {kv.pages.shape[2]}, got {qkv.shape}"
+        )
+    num_tokens, num_kv_heads, group_and_kv, head_dim = qkv.shape
+    out_shape = (num_tokens, num_kv_heads * (group_and_kv - 2), head_dim)
+    layer = layer_as_array(layer_index, kv.pages.shape[0]).reshape(())
+    # the shapes of the q, k_new and v_new that qkv holds, checked as attention's arguments
+    q = jax.ShapeDtypeStruct(out_shape, jnp.float32)
+    k_new = jax.ShapeDtypeStruct((num_tokens, num_kv_heads, head_dim), jnp.float32)
+    validate_attention_args(q, k_new, k_new, kv, layer, page_table, seq_lens, query_starts)
+    check_heads(out_shape[1], num_kv_heads, head_dim)
+    rope_shape = (num_tokens, head_dim // 2)
+    if cos.shape != rope_shape or sin.shape != rope_shape or head_dim % 2:
+        raise ValueError(f"cos {cos.shape} and sin {sin.shape} must be [T, H/2] = {rope_shape}")
+    if slot_ids.shape != (num_tokens,):
+        raise ValueError(f"slot_ids must be [T] = ({num_tokens},), got {slot_ids.shape}")
+    cpu_build.register(SOURCE, _ATTEND_SYMBOL, ATTEND_TARGET)
+    call = jax.ffi.ffi_call(
+        ATTEND_TARGET,
+        (
+            jax.ShapeDtypeStruct(out_shape, jnp.float32),
+            jax.ShapeDtypeStruct(kv.pages.shape, kv.pages.dtype),
+        ),
+        input_output_aliases={1: 1},
+    )
+    out, pages = call(
+        qkv.astype(jnp.float32),
+        kv.pages,
+        layer,
+        cos.astype(jnp.float32),
+        sin.astype(jnp.float32),
+        slot_ids.astype(jnp.int32),
+        page_table,
+        seq_lens,
+        query_starts,
+        sm_scale=np.float32(spec.sm_scale),
+        sliding_window=np.int32(spec.sliding_window or 0),
+        logit_softcap=np.float32(spec.logit_softcap or 0.0),
+    )
+    return out, KVCache(pages, kv.scales)
 
 
 def write_kv_pages(

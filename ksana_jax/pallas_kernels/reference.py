@@ -13,8 +13,12 @@ dequantizes cached rows after the gather (`kv_cache.dequantize_rows`) and takes 
 k_new/v_new as they are (the model passes them quantized and dequantized already).
 
 Writing: `write_layer_kv` puts one layer's new K/V into its slots (the model does this just
-before that layer's attention, see `models.layers.paged_attention` for why); `write_kv_pages`
-does every layer at once, the oracle of the Pallas write kernels.
+before that layer's attention, see `attend_layer` for why); `write_kv_pages` does every layer
+at once, the oracle of the Pallas write kernels.
+
+A layer's whole attention -- rotary on q and k_new, the write, then attention -- is
+`attend_layer`, the composition every backend runs unless it has one call for it (the cpu
+backend's, ragged_paged_attention_cpu.attend_layer).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ksana_jax.kv_cache import KVCache, dequantize_rows, quantize_rows
+from ksana_jax.kv_cache import KVCache, dequantize_rows, quantize_rows, to_kv_dtype
 from ksana_jax.pallas_kernels.attention_spec import AttentionSpec
 
 
@@ -194,3 +198,61 @@ def ragged_paged_attention(
     out += jnp.einsum("tkgu,ukh->tkgh", probs[..., cached_pos.shape[0] :], new_values)
     out = out.reshape(num_tokens, num_heads, head_dim)
     return jnp.where(real[:, None, None], out, 0.0)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half rotary embedding: x f32[T, heads, H], cos and sin f32[T, H/2] (of each
+    token's position, models.layers.rope_tables) -> x * [cos, cos] + [-x2, x1] * [sin, sin]."""
+    cos = jnp.concatenate([cos, cos], axis=-1)[:, None, :]  # [T, 1, H]
+    sin = jnp.concatenate([sin, sin], axis=-1)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def split_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """qkv f32[T, K, G + 2, H] (per KV head its G query heads, its key and its value: the
+    fused q/k/v product's rows, models/fusion.py) -> q [T, K * G, H] (query head k * G + g),
+    k [T, K, H], v [T, K, H]."""
+    num_tokens, _, _, head_dim = qkv.shape
+    return qkv[:, :, :-2].reshape(num_tokens, -1, head_dim), qkv[:, :, -2], qkv[:, :, -1]
+
+
+def attend_layer(
+    qkv: jax.Array,
+    kv: KVCache,
+    layer_index: int | jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    slot_ids: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_starts: jax.Array,
+    *,
+    spec: AttentionSpec,
+    write=write_layer_kv,
+    attention=ragged_paged_attention,
+) -> tuple[jax.Array, KVCache]:
+    """One layer's attention: qkv f32[T, K, G + 2, H] split (`split_qkv`), q and k rotated by
+    `rotate`, this step's K/V written into the layer's slots by `write` (write_layer_kv's
+    signature), then `attention` (ragged_paged_attention's) -> (f32[T, K * G, H], kv).
+
+    The write comes first and attention reads the written array (earlier tokens from the
+    pages, this step's from k_new/v_new). That data dependency orders each layer's page
+    reads before the next layer's write, so XLA updates the donated KV in place; reading
+    first and writing after lets it schedule the write early and copy the whole array.
+    """
+    q, k_new, v_new = split_qkv(qkv)
+    q, k_new = rotate(q, cos, sin), rotate(k_new, cos, sin)
+    # Round through the KV dtype so this step attends to exactly what later steps will read:
+    # float pages are written in their dtype; quantized ones are written from float (the
+    # writer quantizes), then attention gets the same rows quantized and dequantized.
+    dtype = kv.pages.dtype
+    if not kv.quantized:
+        k_new, v_new = to_kv_dtype(k_new, dtype), to_kv_dtype(v_new, dtype)
+    kv = write(kv, layer_index, k_new, v_new, slot_ids)
+    if kv.quantized:
+        k_new, v_new = to_kv_dtype(k_new, dtype), to_kv_dtype(v_new, dtype)
+    layer = jnp.asarray(layer_index, jnp.int32)
+    out = attention(q, k_new, v_new, kv, layer, page_table, seq_lens, query_starts, spec=spec)
+    return out, kv
