@@ -136,6 +136,35 @@ def test_norm_and_residual_in_the_call_equal_them_around_it(fmt):
         linear_cpu.linear(x, w, residual=jnp.zeros((rows, out + 1)))
 
 
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8_q8_0_bf16", "int4_bf16"])
+def test_gate_in_the_call_equals_the_activation_before_it(fmt):
+    """`gate` (x's (gate, up) pairs to act(gate) * up, SwiGLU's silu and GeGLU's tanh GELU)
+    in the kernel's call equals layers.gate_up_activation before the reference product, with
+    the residual; gate values reach both tails of the activations (|g| up to ~20). So does
+    layers.linear with a gate, through the kernel or, past its rows, XLA's product."""
+    rng = np.random.default_rng(8)
+    for (out, inp), rows in [((33, 576), 1), ((130, 1056), 5), ((7, 96), 33)]:
+        w = weight(rng, fmt, out, inp)
+        x = jnp.asarray(6 * rng.standard_normal((rows, 2 * inp)), jnp.float32)
+        residual = jnp.asarray(rng.standard_normal((rows, out)), jnp.float32)
+        for act in ("silu", "gelu_pytorch_tanh"):
+            want = residual + reference(layers.gate_up_activation(x, act), w)
+            tol = 2e-6 * (float(jnp.max(jnp.abs(want))) + 1) * np.sqrt(inp)
+            got = linear_cpu.linear(x, w, residual=residual, gate=act)
+            np.testing.assert_allclose(got, want, atol=tol, rtol=0)
+            via_layers = jax.jit(functools.partial(layers.linear, gate=act))(
+                x, w, residual=residual
+            )
+            if not linear_cpu.takes(x[:, :inp], w):  # XLA's product: its own rounding
+                hidden = layers.gate_up_activation(x, act)
+                want = residual + reference(hidden, w, kernel=False)
+            np.testing.assert_allclose(via_layers, want, atol=tol, rtol=0)
+    with pytest.raises(ValueError, match="gate must be one of"):
+        linear_cpu.linear(x, w, gate="relu")
+    with pytest.raises(ValueError, match=r"x must be \[R, 192\]"):
+        linear_cpu.linear(x[:, :96], w, gate="silu")
+
+
 def test_int8_weights_of_every_byte_value_equal_the_reference():
     """int8 values over the whole byte range, -128 included (a GGUF Q8_0 block may hold it;
     quant.quantize stops at -127), against x whose groups reach +-127 steps: the integer dots'

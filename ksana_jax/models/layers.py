@@ -39,12 +39,15 @@ def linear(
     *,
     norm: RMSNorm | None = None,
     residual: jax.Array | None = None,
+    gate: str | None = None,
 ) -> jax.Array:
     """[residual +] norm(x) times w transposed (+ b): x f32[..., I] (RMS-normed first when
-    `norm` is given), w [O, I], b [O], residual f32[..., O] -> f32[..., O], accumulated in
-    float32. The CPU kernel takes the norm and the residual into its call (a decoder layer's
-    norms and residual adds are otherwise XLA:CPU thunks of their own, ~11 of its ~19 at
-    batch 1); elsewhere they are the jnp ops that XLA fuses with their neighbours.
+    `norm` is given; with a `gate` activation, x f32[..., 2I] holds (gate, up) pairs and the
+    input is `gate_up_activation(x, gate)`), w [O, I], b [O], residual f32[..., O] ->
+    f32[..., O], accumulated in float32. The CPU kernel takes the norm, the gate and the
+    residual into its call (a decoder layer's norms, residual adds and act(gate) * up are
+    otherwise XLA:CPU thunks of their own, ~12 of its ~19 at batch 1); elsewhere they are the
+    jnp ops that XLA fuses with their neighbours.
 
     On CPU, a few rows (decode) go through pallas_kernels/linear_cpu.py, a C++ kernel that
     streams w's bytes (quantized ones as they are) on every core; `linear_cpu.takes` decides
@@ -61,9 +64,11 @@ def linear(
     """
     if linear_cpu.takes(x, w):
         fused = residual if b is None else None  # the bias comes before the residual
-        y = linear_cpu.linear(x, w, norm, fused)
+        y = linear_cpu.linear(x, w, norm, fused, gate)
         y = y if b is None else y + b.astype(jnp.float32)
         return y if residual is None or fused is not None else residual + y
+    if gate is not None:
+        x = gate_up_activation(x, gate)
     if norm is not None:
         x = rms_norm(x, *norm)
     y = _product(x, w, b)
@@ -180,13 +185,24 @@ def gated_mlp(
     given) -> f32[T, D]; act "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU with the tanh
     approximation, Gemma). `mlp` holds w_down and either the fused w_gate_up (fusion.py: a
     dense layer's) or w_gate and w_up (an expert's, or parts that could not be fused)."""
-    if "w_gate_up" in mlp:
-        gate, up = fusion.split_gate_up(linear(x, mlp["w_gate_up"], norm=norm))
-    else:
-        x = x if norm is None else rms_norm(x, *norm)
-        gate, up = linear(x, mlp["w_gate"]), linear(x, mlp["w_up"])
-    gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return linear(gate * up, mlp["w_down"], residual=residual)
+    if "w_gate_up" in mlp:  # act(gate) * up inside the down product (the CPU kernel's call)
+        gate_up = linear(x, mlp["w_gate_up"], norm=norm)
+        return linear(gate_up, mlp["w_down"], residual=residual, gate=act)
+    x = x if norm is None else rms_norm(x, *norm)
+    hidden = activation(linear(x, mlp["w_gate"]), act) * linear(x, mlp["w_up"])
+    return linear(hidden, mlp["w_down"], residual=residual)
+
+
+def activation(gate: jax.Array, act: str) -> jax.Array:
+    """The gated MLP's activation: "silu" or "gelu_pytorch_tanh" (GELU, tanh approximation)."""
+    return jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
+
+
+def gate_up_activation(gate_up: jax.Array, act: str) -> jax.Array:
+    """act(gate) * up of gate_up f32[..., 2F] holding (gate, up) pairs (the fused gate/up
+    product's layout, fusion.py) -> f32[..., F]."""
+    gate, up = fusion.split_gate_up(gate_up)
+    return activation(gate, act) * up
 
 
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:

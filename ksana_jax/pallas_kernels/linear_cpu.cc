@@ -29,7 +29,9 @@
 // A decoder layer's RMS norm before its q/k/v and gate/up products and its residual add after
 // its output and down products are XLA:CPU thunks of their own otherwise (~11 of a layer's
 // ~19 at batch 1, each a microsecond or two of a step's few milliseconds); here the caller
-// norms x's few rows before the product, and store_block adds the residual.
+// norms x's few rows before the product, and store_block adds the residual. So with the
+// gated MLP's act(gate) * up before the down product: the caller computes it from the
+// gate/up product's pairs.
 
 #include <algorithm>
 #include <cmath>
@@ -351,7 +353,7 @@ ffi::Error weight_problem(const ffi::AnyBuffer& w, const ffi::AnyBuffer& scales,
 struct Scratch {
   Problem problem;
   std::vector<int32_t> vector_group;
-  std::vector<float> normed, padded, x_sum, x_scale, x8_lanes, x_offset;
+  std::vector<float> gated, normed, padded, x_sum, x_scale, x8_lanes, x_offset;
   std::vector<uint16_t> x_bf16;
   std::vector<int8_t> x8;
 };
@@ -381,21 +383,50 @@ const float* rms_norm(const float* x, int64_t rows, int64_t in, const ffi::AnyBu
   return normed.data() + in;
 }
 
+// The gated MLP's activations (Gate in linear_cpu.py), as jax.nn computes them in float32.
+enum class Gate : int32_t { kNone = 0, kSilu = 1, kGeluTanh = 2 };
+
+// x [R, 2I], each row I (gate, up) pairs as the fused gate/up product gives them, into
+// act(gate) * up [R, I] in `gated`: silu(g) = g * sigmoid(g), or GELU's tanh approximation
+// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))).
+const float* gate_rows(const float* x, int64_t rows, int64_t in, Gate gate,
+                       std::vector<float>& gated) {
+  gated.resize(rows * in);
+  for (int64_t i = 0; i < rows * in; ++i) {
+    const float g = x[2 * i], up = x[2 * i + 1];
+    float act;
+    if (gate == Gate::kSilu) {
+      act = g * (1.0f / (1.0f + std::exp(-g)));
+    } else {
+      const float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+      act = 0.5f * g * (1.0f + std::tanh(inner));
+    }
+    gated[i] = act * up;
+  }
+  return gated.data();
+}
+
 // y f32[R, O] = residual + rms_norm(x) . W^T, the norm (a weight [I]) and the residual
-// ([R, O]) each optional (an empty array: none).
+// ([R, O]) each optional (an empty array: none); with a `gate`, x [R, 2I] holds (gate, up)
+// pairs and the product's input is act(gate) * up (gate_rows).
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                   ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::AnyBuffer norm,
                   ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> y, bool bf16,
-                  int64_t parallel_bytes, float norm_eps, float norm_offset) {
+                  int64_t parallel_bytes, float norm_eps, float norm_offset, int32_t gate) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return ffi::Error::InvalidArgument("x must be a matrix");
+  if (gate < 0 || gate > 2) return ffi::Error::InvalidArgument("gate must be 0, 1 or 2");
+  const Gate act = static_cast<Gate>(gate);
+  if (act != Gate::kNone && x_dims[1] % 2)
+    return ffi::Error::InvalidArgument("a gated x must be [R, 2I]: (gate, up) pairs");
+  const int64_t in = act == Gate::kNone ? x_dims[1] : x_dims[1] / 2;
   // The call's scratch, kept per thread: a decode step makes ~120 calls of 10-100 us, and
   // their allocations (and frees) were ~5% of its samples. The problem lives there too, not
   // on this stack: the pool's threads read it while this thread works beside it.
   static thread_local Scratch scratch;
   Problem& pb = scratch.problem;
   pb = Problem{};
-  ffi::Error error = weight_problem(w, scales, mins, x_dims[0], x_dims[1], bf16, pb);
+  ffi::Error error = weight_problem(w, scales, mins, x_dims[0], in, bf16, pb);
   if (error.failure()) return error;
   const auto y_dims = y->dimensions();
   if (y_dims.size() != 2 || y_dims[0] != pb.rows || y_dims[1] != pb.out)
@@ -421,6 +452,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   }
   if (pb.rows == 0) return ffi::Error::Success();
   const float* x_in = x.typed_data();
+  if (act != Gate::kNone) x_in = gate_rows(x_in, pb.rows, pb.in, act, scratch.gated);
   if (normed)
     x_in = rms_norm(x_in, pb.rows, pb.in, norm, norm_eps, norm_offset, scratch.normed);
   pb.integer_dots = integer_dots_fit(pb);
@@ -473,4 +505,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaLinearCpu, Linear,
                                   // weight bytes from which the pool's threads join
                                   .Attr<int64_t>("parallel_bytes")
                                   .Attr<float>("norm_eps")
-                                  .Attr<float>("norm_offset"));
+                                  .Attr<float>("norm_offset")
+                                  .Attr<int32_t>("gate"));  // Gate: 0 none, 1 silu, 2 GELU

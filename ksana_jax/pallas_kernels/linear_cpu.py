@@ -192,15 +192,23 @@ def kind(w: jax.Array | quant.QuantizedMatrix) -> tuple[str, str]:
     return fmt, jnp.dtype(w.dtype).name
 
 
+# The gated MLP's activations the kernel applies to x's (gate, up) pairs (config.HIDDEN_ACTS),
+# as its `gate` attribute.
+GATES = {"silu": 1, "gelu_pytorch_tanh": 2}
+
+
 def linear(
     x: jax.Array,
     w: jax.Array | quant.QuantizedMatrix,
     norm: tuple[jax.Array, float, float] | None = None,
     residual: jax.Array | None = None,
+    gate: str | None = None,
 ) -> jax.Array:
     """x [R, I] times w [O, I] transposed -> f32[R, O]: `models.layers.linear` without a bias,
-    with its `norm` (weight [I], eps, offset: x is RMS-normed first, as layers.rms_norm) and
-    `residual` f32[R, O] (added to the product), within float32 rounding: as there, the
+    with its `norm` (weight [I], eps, offset: x is RMS-normed first, as layers.rms_norm),
+    `residual` f32[R, O] (added to the product) and `gate` (x [R, 2I] holds (gate, up) pairs
+    and the product's input is act(gate) * up, as layers.gate_up_activation), within float32
+    rounding: as there, the
     product is in w's dtype (a quantized matrix's
     `dtype`): for bfloat16, x and the dequantized weights are rounded to bfloat16 and their
     products summed in float32 -- but a matrix the kernel multiplies by integer dots
@@ -211,8 +219,11 @@ def linear(
     not fit it."""
     if not supports(w):
         raise ValueError(f"the cpu linear kernel does not take a weight {w!r:.200}")
-    if x.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"x must be [R, {w.shape[1]}], got {x.shape}")
+    if gate is not None and gate not in GATES:
+        raise ValueError(f"gate must be one of {tuple(GATES)} or None, got {gate!r}")
+    width = w.shape[1] * (1 if gate is None else 2)
+    if x.ndim != 2 or x.shape[1] != width:
+        raise ValueError(f"x must be [R, {width}], got {x.shape}")
     out = (x.shape[0], w.shape[0])
     if residual is not None and residual.shape != out:
         raise ValueError(f"residual must be {list(out)}, got {residual.shape}")
@@ -231,4 +242,5 @@ def linear(
         parallel_bytes=np.int64(PARALLEL_BYTES),
         norm_eps=np.float32(eps),
         norm_offset=np.float32(offset),
+        gate=np.int32(GATES.get(gate, 0)),
     )
