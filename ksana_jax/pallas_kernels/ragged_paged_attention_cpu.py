@@ -63,6 +63,15 @@ def check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         )
 
 
+def _spec_attributes(spec: AttentionSpec) -> dict[str, np.generic]:
+    """The attention calls' attributes: scale, window (0: none), soft-cap (0: none)."""
+    return dict(
+        sm_scale=np.float32(spec.sm_scale),
+        sliding_window=np.int32(spec.sliding_window or 0),
+        logit_softcap=np.float32(spec.logit_softcap or 0.0),
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
 def ragged_paged_attention(
     q: jax.Array,
@@ -97,9 +106,7 @@ def ragged_paged_attention(
         page_table,
         seq_lens,
         query_starts,
-        sm_scale=np.float32(spec.sm_scale),
-        sliding_window=np.int32(spec.sliding_window or 0),
-        logit_softcap=np.float32(spec.logit_softcap or 0.0),
+        **_spec_attributes(spec),
     )
 
 
@@ -202,9 +209,7 @@ def attend_layer(
         page_table,
         seq_lens,
         query_starts,
-        sm_scale=np.float32(spec.sm_scale),
-        sliding_window=np.int32(spec.sliding_window or 0),
-        logit_softcap=np.float32(spec.logit_softcap or 0.0),
+        **_spec_attributes(spec),
     )
     return out, KVCache(pages, kv.scales)
 
