@@ -237,8 +237,8 @@ def paged_attention(
     attention -> (f32[T, N, H], kv): the backend's `layer_attention`
     (`reference.attend_layer`'s semantics; the cpu backend runs it as one call)."""
     cos, sin = rope_tables(inputs.positions, rope_inv_freq(cfg, layer_index))
-    interpret = pallas_kernels.get_backend(backend).interpreted_here()
-    attend = pallas_kernels.get_backend(backend).layer_attention(interpret)
+    kernels = pallas_kernels.get_backend(backend)
+    attend = kernels.layer_attention(kernels.interpreted_here())
     return attend(
         qkv,
         kv,

@@ -386,36 +386,18 @@ const float* rms_norm(const float* x, int64_t rows, int64_t in, const ffi::AnyBu
 // The gated MLP's activations (Gate in linear_cpu.py), as jax.nn computes them in float32.
 enum class Gate : int32_t { kNone = 0, kSilu = 1, kGeluTanh = 2 };
 
-// e^x in float32 by Cephes' expf (range reduction by ln 2, a degree-5 polynomial: within
-// ~2 ulp of std::exp) in operations GCC vectorizes, unlike a call of std::exp; x clamped to
-// [-87.3, 88.3] (the result's exponent stays normal). GCC if-converts the clamp, and so
-// vectorizes a loop calling this, only without -ftrapping-math (nothing here reads the
-// floating-point exception flags): hence the attribute, here and on the loop's function.
-#define KSANA_NO_TRAPPING_MATH __attribute__((optimize("no-trapping-math")))
-KSANA_NO_TRAPPING_MATH inline float vector_exp(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  x = x > 88.3f ? 88.3f : x;
-  const float t = x * 1.44269504088896341f;
-  const int32_t n = static_cast<int32_t>(t + (t < 0.0f ? -0.5f : 0.5f));  // t rounded
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const int32_t bits = (n + 127) << 23;  // 2^n
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
+// sigmoid(z) = 1 / (1 + e^-z), through e^-|z| (cpu_simd.h's exp_nonpositive, a loop of it
+// vectorizes): no overflow at either end.
+inline float sigmoid(float z) {
+  const float e = ksana_cpu_simd::exp_nonpositive(-std::abs(z));
+  return (z >= 0.0f ? 1.0f : e) / (1.0f + e);
 }
 
 // x [R, 2I], each row I (gate, up) pairs as the fused gate/up product gives them, into
-// act(gate) * up [R, I] in `gated`: silu(g) = g / (1 + e^-g), or GELU's tanh approximation
-// 0.5 g (1 + tanh(u)) = g / (1 + e^-2u), u = sqrt(2 / pi) (g + 0.044715 g^3).
-KSANA_NO_TRAPPING_MATH const float* gate_rows(const float* x, int64_t rows, int64_t in,
-                                              Gate gate, std::vector<float>& gated) {
+// act(gate) * up [R, I] in `gated`: silu(g) = g sigmoid(g), or GELU's tanh approximation
+// 0.5 g (1 + tanh(u)) = g sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3).
+const float* gate_rows(const float* x, int64_t rows, int64_t in, Gate gate,
+                       std::vector<float>& gated) {
   gated.resize(rows * in);
   float* out = gated.data();
   const int64_t n = rows * in;
@@ -423,14 +405,14 @@ KSANA_NO_TRAPPING_MATH const float* gate_rows(const float* x, int64_t rows, int6
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
       const float g = x[2 * i];
-      out[i] = g / (1.0f + vector_exp(-g)) * x[2 * i + 1];
+      out[i] = g * sigmoid(g) * x[2 * i + 1];
     }
   } else {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
       const float g = x[2 * i];
       const float u = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
-      out[i] = g / (1.0f + vector_exp(-2.0f * u)) * x[2 * i + 1];
+      out[i] = g * sigmoid(2.0f * u) * x[2 * i + 1];
     }
   }
   return out;

@@ -165,26 +165,7 @@ inline void load_row(Kind kind, const void* src, float* dst, int n, float scale 
   }
 }
 
-// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial, ~1 ulp),
-// branch-free so that a loop of it vectorizes. Rounds with the 1.5 * 2^23 trick (exact for
-// |x| < 2^22), since floor/nearbyint only inline under fast-math flags.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float shifter = 12582912.0f;  // 1.5 * 2^23
-  const float n = (x * 1.44269504088896341f + shifter) - shifter;
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+using ksana_cpu_simd::exp_nonpositive;
 
 #if defined(__AVX512F__)
 // exp_nonpositive of 16 lanes: the same steps, one lane each.
