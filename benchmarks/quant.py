@@ -41,6 +41,7 @@ from throughput import decode_step_seconds
 import ksana_jax
 from ksana_jax import LLM, SamplingParams, quant
 from ksana_jax.demo import demo_checkpoint
+from ksana_jax.models import registry
 from ksana_jax.pallas_kernels import linear_cpu
 
 MAX_MODEL_LEN = 256  # > 16 prompt + 64 output tokens: one context bucket
@@ -59,7 +60,7 @@ def load(path, fmt: str):
 def takes_kernel(model, rows: int) -> bool:
     """Whether every matrix of one layer, and the LM head, goes through the C++ kernel at
     `rows` rows (linear_cpu.takes, the dispatch `layers.linear` makes at trace time)."""
-    layer = model.params["layers"][0]
+    layer = registry.layer_params(model.params)[0]
     matrices = [w for w in jax.tree.leaves(layer, is_leaf=quant.is_quantized) if len(w.shape) == 2]
     matrices.append(model.params.get("lm_head", model.params["embed"]))
     return all(

@@ -179,7 +179,7 @@ def load(
         params = checkpoint.load_params(
             path, config, target, lambda name: plan.param_sharding(name, shapes[name])
         )
-        params = plan.shard_params(params)  # per-layer slices of the stacked arrays
+        params = plan.shard_params(params)  # per layer, or stacked for the CPU kernel
         stored = (checkpoint.read_quantization(path) or {}).get("quantization")
         tokenizer = checkpoint.read_tokenizer(path)
         generation = checkpoint.read_generation_config(path)

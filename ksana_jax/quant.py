@@ -24,6 +24,12 @@ measured as good. The group size is read off the shapes (I / G), so it costs not
 q * scale (+ min) in float32 and rounds once to it. Scales keep their stored dtype (float16
 for GGUF blocks and int4, float32 for per-channel int8), so kept blocks are exact.
 
+Layer views: a matrix's arrays may hold every layer's matrix stacked on a leading axis L
+(registry.stack_layers, where the CPU kernel multiplies them). Inside a step each layer then
+sees a view, the same arrays with static `layer` = its index on L: its `shape` is one
+layer's, the kernel reads that layer's bytes in place, and every other consumer takes
+`unstacked(m)` (the layer's slice of each array).
+
 Products: on CPU at decode's few rows `models.layers.linear` runs the C++ kernel
 pallas_kernels/linear_cpu.cc, which reads the packed bytes and dequantizes in registers.
 Elsewhere (and as the reference) XLA dequantizes inside the jitted step, then runs the same
@@ -56,13 +62,14 @@ class Int8Matrix:
     values: Any  # i8[..., O, I]
     scales: Any  # f32[..., O, 1] or f16[..., O, I/32]
     dtype: str = "float32"  # static: the matmul dtype
+    layer: int | None = None  # static: a layer view's index (module docstring)
 
     format: ClassVar[str] = "int8"
     data_fields: ClassVar[tuple[str, ...]] = ("values", "scales")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.values.shape)
+        return tuple(self.values.shape)[self.layer is not None :]
 
     @property
     def group_size(self) -> int:
@@ -82,13 +89,14 @@ class Int4Matrix:
     # or when the packed bytes and the scales split differently. The Pallas kernels run on
     # each device's shard with it (pallas_kernels/quant_matmul.py).
     split: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    layer: int | None = None  # static: a layer view's index (module docstring)
 
     format: ClassVar[str] = "int4"
     data_fields: ClassVar[tuple[str, ...]] = ("packed", "scales", "mins")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+        return (*self.packed.shape[self.layer is not None : -1], 2 * self.packed.shape[-1])
 
     group_size: ClassVar[int] = GROUP_SIZE
 
@@ -105,6 +113,13 @@ for _cls in _CLASSES.values():
 
 def is_quantized(x: Any) -> bool:
     return isinstance(x, Int8Matrix | Int4Matrix)
+
+
+def unstacked(m: QuantizedMatrix) -> QuantizedMatrix:
+    """A layer view's own matrix (its layer of each array: a slice inside a step), else m."""
+    if m.layer is None:
+        return m
+    return dataclasses.replace(jax.tree.map(lambda a: a[m.layer], m), layer=None)
 
 
 def check_format(quantization: str) -> None:

@@ -69,6 +69,7 @@ from ksana_jax import quant
 from ksana_jax.config import ModelConfig
 from ksana_jax.kv_cache import KVCache
 from ksana_jax.models import registry
+from ksana_jax.pallas_kernels import linear_cpu
 
 DATA, MODEL, KV_REPLICA = "data", "model", "kv_replica"
 TENSOR = (MODEL, KV_REPLICA)  # the tensor-parallel devices, for column and row splits
@@ -166,8 +167,10 @@ class ShardingPlan:
 
     def shard_params(self, params: Any) -> Any:
         """`params` placed in their shardings (a no-op for arrays already there), each int4
-        matrix marked with its split (`with_splits`)."""
-        params = self.with_splits(params)
+        matrix marked with its split (`with_splits`), their quantized layer matrices stacked
+        where the CPU kernel multiplies them (on one device: registry.stack_layers)."""
+        stacked = self.mesh.size == 1 and linear_cpu.indexes_layers()
+        params = self.with_splits(registry.stack_layers(params, stacked))
         return jax.device_put(params, self.param_shardings(params))
 
     def with_splits(self, params: Any) -> Any:

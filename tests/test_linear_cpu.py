@@ -438,3 +438,32 @@ def test_spin_pool_runs_each_item_once(tmp_path):
     if run.returncode == 2:
         pytest.skip("one core: the pool has no thread of its own")
     assert run.returncode == 0, run.stdout
+
+
+@pytest.mark.parametrize("fmt", ["int8_bf16", "int8_q8_0_bf16", "int4", "int4_bf16"])
+def test_a_layer_view_of_stacked_matrices_equals_its_own_matrix(fmt):
+    """A layer view (quant.py: stacked arrays [L, ...] and a static `layer`) through the kernel
+    gives exactly what that layer's own matrix gives (the call reads its bytes in place, with
+    the norm and the residual), and the compiled step passes the stacked arrays to the call
+    with no slice or copy of them; past the kernel's rows `layers.linear` multiplies the
+    layer's slice. A layer past the stack is refused."""
+    rng = np.random.default_rng(5)
+    own = [weight(rng, fmt, 33, 96) for _ in range(3)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *own)
+    norm_weight = jnp.asarray(rng.standard_normal(96), jnp.float32)
+    call = jax.jit(
+        lambda x, w, r: layers.linear(x, w, norm=layers.RMSNorm(norm_weight, 1e-5), residual=r)
+    )
+    for rows in (1, 3, linear_cpu.max_rows(own[0]) + 1):
+        x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
+        residual = jnp.asarray(rng.standard_normal((rows, 33)), jnp.float32)
+        for i, w in enumerate(own):
+            view = dataclasses.replace(stacked, layer=i)
+            assert view.shape == w.shape == (33, 96)
+            np.testing.assert_array_equal(call(x, view, residual), call(x, w, residual))
+    one_row = jnp.zeros((1, 96), jnp.float32)
+    hlo = jax.jit(lambda x, w: layers.linear(x, w)).lower(one_row, view).compile().as_text()
+    assert linear_cpu.TARGET in hlo and "slice" not in hlo and "copy" not in hlo
+    past = dataclasses.replace(stacked, layer=3)
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(jax.jit(linear_cpu.linear)(one_row, past))

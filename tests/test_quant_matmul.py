@@ -146,10 +146,11 @@ import json, sys
 import jax, numpy as np
 import ksana_jax
 from ksana_jax import quant
+from ksana_jax.models import registry
 from ksana_jax.pallas_kernels import quant_matmul
 
-def matrices(model):
-    leaves = jax.tree.leaves(model.params, is_leaf=quant.is_quantized)
+def matrices(model):  # per layer (one device holds them stacked: registry.stack_layers)
+    leaves = jax.tree.leaves(registry.unstack(model.params), is_leaf=quant.is_quantized)
     return [m for m in leaves if isinstance(m, quant.Int4Matrix)]
 
 def product(x, w, platform):

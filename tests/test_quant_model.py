@@ -14,6 +14,8 @@ from workloads import record_compilations, run_varied_workload
 
 import ksana_jax
 from ksana_jax import LLM, EngineConfig, SamplingParams, quant
+from ksana_jax.models import registry
+from ksana_jax.pallas_kernels import linear_cpu
 from ksana_jax.step_programs import compile_count
 
 TOKENS = [int(t) for t in np.random.default_rng(0).integers(3, TINY_VOCAB, 40)]
@@ -142,28 +144,59 @@ for tp in (1, 2, 4):
     for name, path in (("load", hf), ("checkpoint", out)):
         model = ksana_jax.load(path, tensor_parallel_size=tp, quantization="int4")
         per_device = sharding.bytes_per_device(model.params)
-        result[f"{name}{tp}"] = [model.logits(tokens).tolist(), max(per_device.values())]
+        stacked = "stacked_layers" in model.params
+        result[f"{name}{tp}"] = [model.logits(tokens).tolist(), max(per_device.values()), stacked]
 print(json.dumps(result))
 """
 
 
 def test_tensor_parallel_int4_equals_one_device(tiny_dir, tmp_path):
     """tp=2 and 4 on forced CPU devices: the packed arrays and their scales shard like the
-    matrices (scales along the same out axis), and the logits equal tp=1's."""
+    matrices (scales along the same out axis), and the logits equal tp=1's, whose layer
+    matrices are held stacked for the CPU kernel (registry.stack_layers) where a mesh's are
+    per layer."""
     result = run_on_cpu_devices(
         TP_SCRIPT, str(tiny_dir), str(tmp_path / "ckpt"), json.dumps(TOKENS)
     )
     want = np.asarray(result["load1"][0])
-    for key, (logits, _) in result.items():
+    for key, (_, _, stacked) in result.items():
+        assert stacked == (key.endswith("1") and linear_cpu.indexes_layers()), key
+    for key, (logits, _, _) in result.items():
         np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-5, err_msg=key)
     assert result["load2"][1] < 0.8 * result["load1"][1]  # split, not replicated
     assert result["checkpoint2"][1] == result["load2"][1]
 
 
+@pytest.mark.skipif(not linear_cpu.indexes_layers(), reason="no CPU kernel to index them")
+def test_one_device_holds_quantized_layer_matrices_stacked(tiny_dir):
+    """On one CPU device the int4 layer matrices are held stacked over the layers
+    (registry.stack_layers: the kernel reads each layer's in place), so a step takes one set
+    of arrays for each instead of one a layer; the logits are exactly those of the same
+    matrices held per layer, and the checkpoint's flat params are the same either way."""
+    model = ksana_jax.load(tiny_dir, quantization="int4")
+    num_layers = model.config.num_hidden_layers
+    stacked = model.params[registry.STACKED]
+    assert sorted(stacked) == ["w_down", "w_gate_up", "wo", "wqkv"]
+    assert all(m.packed.shape[0] == num_layers and m.layer is None for m in stacked.values())
+    per_layer = registry.unstack(model.params)
+    assert registry.STACKED not in per_layer and "wqkv" in per_layer["layers"][-1]
+    arrays = [len(jax.tree.leaves(p)) for p in (per_layer, model.params)]
+    assert arrays[0] - arrays[1] == 4 * 3 * (num_layers - 1)  # packed, scales, mins
+    views = registry.layer_params(model.params)
+    assert [v["wo"].layer for v in views] == list(range(num_layers))
+    flat = [registry.params_to_flat(p, model.config) for p in (model.params, per_layer)]
+    assert jax.tree.structure(flat[0]) == jax.tree.structure(flat[1])
+    for a, b in zip(jax.tree.leaves(flat[0]), jax.tree.leaves(flat[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    per_layer_model = dataclasses.replace(model, params=per_layer)
+    np.testing.assert_array_equal(model.logits(TOKENS), per_layer_model.logits(TOKENS))
+    assert registry.STACKED in model.plan.shard_params(per_layer)  # placing stacks them again
+
+
 def test_with_dtype_changes_the_matmul_dtype_not_the_packed_values(tiny_dir):
     model = ksana_jax.load(tiny_dir, quantization="int4")
     bf16 = model.with_dtype("bfloat16")
-    wq, wq16 = model.params["layers"][0]["wqkv"], bf16.params["layers"][0]["wqkv"]
+    wq, wq16 = (quant.unstacked(registry.layer_params(m.params)[0]["wqkv"]) for m in (model, bf16))
     assert bf16.dtype == "bfloat16" and wq16.dtype == "bfloat16"
     np.testing.assert_array_equal(np.asarray(wq16.packed), np.asarray(wq.packed))
     assert bf16.params["final_norm"].dtype == jax.numpy.bfloat16

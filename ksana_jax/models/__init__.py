@@ -42,7 +42,7 @@ module-level `FAMILY = registry.Family(...)`, which declares:
 5. `forward(params, cfg, kv, inputs, backend)` -> (final hidden f32[T, D], kv) and
    `logits(params, cfg, hidden)` -> f32[R, V], built from layers.py. Qwen3 reuses llama.py's
    decoder, which applies the q/k norms when `cfg.qk_norm`; a family with a different layer
-   (gemma.py) writes its own loop over `params["layers"]` and calls
+   (gemma.py) writes its own loop over `registry.layer_params(params)` and calls
    `layers.paged_attention` once per layer, which writes the layer's K/V and attends with the
    layer's `AttentionSpec` (scale, sliding window, soft-cap).
 

@@ -45,7 +45,7 @@ from ksana_jax.config import (
 from ksana_jax.kv_cache import KVCache
 from ksana_jax.models import llama
 from ksana_jax.models.layers import RMSNorm, embed_rows, gated_mlp, linear, rms_norm, softcap
-from ksana_jax.models.registry import Family, Params
+from ksana_jax.models.registry import Family, Params, layer_params
 from ksana_jax.step_inputs import StepInputs
 
 GELU_TANH = "gelu_pytorch_tanh"
@@ -276,7 +276,7 @@ def forward(
         embed_rows(embed, inputs.token_ids) * jnp.asarray(cfg.hidden_size**0.5, embed.dtype)
     ).astype(jnp.float32)
     eps = cfg.rms_norm_eps
-    for i, layer in enumerate(params["layers"]):
+    for i, layer in enumerate(layer_params(params)):
         attn_norm = RMSNorm(layer["attn_norm"], eps, 1.0)
         attn, kv = llama.attention_block(cfg, inputs, kv, x, i, layer, backend, 1.0, attn_norm)
         x = x + rms_norm(attn, layer["post_attn_norm"], eps, 1.0)

@@ -67,6 +67,8 @@ def linear(
         y = linear_cpu.linear(x, w, norm, fused, gate)
         y = y if b is None else y + b.astype(jnp.float32)
         return y if residual is None or fused is not None else residual + y
+    if quant.is_quantized(w):
+        w = quant.unstacked(w)  # a layer view's own matrix (quant.py)
     if gate is not None:
         x = gate_up_activation(x, gate)
     if norm is not None:

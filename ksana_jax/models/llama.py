@@ -18,7 +18,9 @@ weights: on XLA:CPU a bfloat16 matmul whose weight is a slice of a stacked array
 sits inside a while loop, misses the fast oneDNN path (measured several times slower).
 Unrolling costs compile time per bucket, which warm-up pays once and the persistent
 compilation cache amortises. The checkpoint keeps the stacked layout; the registry's
-`params_from_flat` splits it.
+`params_from_flat` splits it. Quantized matrices that the CPU kernel multiplies stay stacked
+(`registry.stack_layers`: the kernel reads its layer in place, no slice is copied); the loop
+reads every layer through `registry.layer_params`.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from ksana_jax.models.layers import (
     rms_norm,
 )
 from ksana_jax.models.moe import feed_forward
-from ksana_jax.models.registry import Family, LayerParams, Params
+from ksana_jax.models.registry import Family, LayerParams, Params, layer_params
 from ksana_jax.step_inputs import StepInputs
 
 # --------------------------------------------------------------------------- declarations
@@ -315,7 +317,7 @@ def forward(
     """
     x = embed_rows(params["embed"], inputs.token_ids).astype(jnp.float32)  # [T, D]
     eps = cfg.rms_norm_eps
-    for i, layer in enumerate(params["layers"]):
+    for i, layer in enumerate(layer_params(params)):
         attn_norm = RMSNorm(layer["attn_norm"], eps)
         x, kv = attention_block(cfg, inputs, kv, x, i, layer, backend, norm=attn_norm, residual=x)
         x = feed_forward(cfg, i, layer, x, RMSNorm(layer["mlp_norm"], eps))  # dense or MoE

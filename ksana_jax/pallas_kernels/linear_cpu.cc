@@ -303,22 +303,52 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb, int64_t parallel_bytes)
 
 bool is_scale_type(ffi::DataType t) { return t == ffi::F32 || t == ffi::F16; }
 
+// One matrix of an operand holding `layers` of them stacked on its leading dim (w, scales
+// and mins alike; 1 unstacked): its last two dims ({0, 0} for an empty operand), and its
+// bytes from the operand's start at `layer`.
+struct Slice {
+  int64_t dims[2] = {0, 0};
+  const char* data = nullptr;
+  int64_t bytes = 0;
+};
+
+Slice layer_slice(const ffi::AnyBuffer& a, int64_t layers, int64_t layer) {
+  Slice s;
+  const auto d = a.dimensions();
+  if (a.element_count() == 0) return s;
+  s.dims[0] = d[d.size() - 2], s.dims[1] = d[d.size() - 1];
+  s.bytes = static_cast<int64_t>(a.size_bytes()) / layers;
+  s.data = static_cast<const char*>(a.untyped_data()) + layer * s.bytes;
+  return s;
+}
+
 // One weight of the call as a Problem (x's fields are set by the caller): checks its shapes.
+// A stacked weight (w [L, O, I'], scales and mins [L, O, G]: a layer-stacked parameter that
+// the kernel indexes, so a step passes one array for all its layers) gives matrix `layer`.
 ffi::Error weight_problem(const ffi::AnyBuffer& w, const ffi::AnyBuffer& scales,
                           const ffi::AnyBuffer& mins, int64_t rows, int64_t in, bool bf16,
-                          Problem& pb) {
+                          int64_t layer, Problem& pb) {
   const auto w_dims = w.dimensions();
-  if (w_dims.size() != 2) return ffi::Error::InvalidArgument("w must be a matrix");
+  if (w_dims.size() != 2 && w_dims.size() != 3)
+    return ffi::Error::InvalidArgument("w must be a matrix or a stack of them");
+  const int64_t layers = w_dims.size() == 3 ? w_dims[0] : 1;
+  if (layer < 0 || layer >= layers) return ffi::Error::InvalidArgument("layer out of range");
+  for (const ffi::AnyBuffer* a : {&scales, &mins})
+    if (a->element_count() > 0 && (a->dimensions().size() != w_dims.size() ||
+                                   (layers > 1 && a->dimensions()[0] != layers)))
+      return ffi::Error::InvalidArgument("scales and mins must be stacked as w is");
+  const Slice w_at = layer_slice(w, layers, layer), scales_at = layer_slice(scales, layers, layer),
+              mins_at = layer_slice(mins, layers, layer);
   pb.rows = rows;
   pb.in = in;
-  pb.out = w_dims[0];
-  pb.w = static_cast<const char*>(w.untyped_data());
-  pb.scales = scales.untyped_data();
-  pb.mins = mins.untyped_data();
+  pb.out = w_dims[w_dims.size() - 2];
+  pb.w = w_at.data;
+  pb.scales = scales_at.data;
+  pb.mins = mins_at.data;
   pb.scales_f16 = scales.element_type() == ffi::F16;
   pb.mins_f16 = mins.element_type() == ffi::F16;
-  pb.groups = scales.dimensions().size() == 2 ? scales.dimensions()[1] : 0;
-  const bool scaled = scales.dimensions().size() == 2 && scales.dimensions()[0] == pb.out &&
+  pb.groups = scales_at.dims[1];
+  const bool scaled = scales.element_count() > 0 && scales_at.dims[0] == pb.out &&
                       is_scale_type(scales.element_type());
   switch (w.element_type()) {
     case ffi::F32: pb.kind = Kind::kF32; break;
@@ -327,13 +357,14 @@ ffi::Error weight_problem(const ffi::AnyBuffer& w, const ffi::AnyBuffer& scales,
     case ffi::U8: pb.kind = Kind::kInt4; break;
     default: return ffi::Error::InvalidArgument("w must be float32, bfloat16, int8 or uint8");
   }
+  const int64_t w_in = w_dims[w_dims.size() - 1];
   if (pb.kind == Kind::kInt4) {
-    if (w_dims[1] * 2 != pb.in || pb.in % 32 || !scaled || pb.groups != pb.in / 32 ||
-        mins.dimensions().size() != 2 || mins.dimensions()[0] != pb.out ||
-        mins.dimensions()[1] != pb.groups || !is_scale_type(mins.element_type()))
+    if (w_in * 2 != pb.in || pb.in % 32 || !scaled || pb.groups != pb.in / 32 ||
+        mins_at.dims[0] != pb.out || mins_at.dims[1] != pb.groups ||
+        !is_scale_type(mins.element_type()))
       return ffi::Error::InvalidArgument(
           "int4: w u8[O, I/2], scales and mins [O, I/32] float32/16, I % 32 == 0");
-  } else if (w_dims[1] != pb.in) {
+  } else if (w_in != pb.in) {
     return ffi::Error::InvalidArgument("w's input dim must be x's");
   }
   if (pb.kind == Kind::kInt8 &&
@@ -342,8 +373,8 @@ ffi::Error weight_problem(const ffi::AnyBuffer& w, const ffi::AnyBuffer& scales,
     return ffi::Error::InvalidArgument(
         "int8: scales [O, G] float32/16, G = 1 or I / G a multiple of 16");
   pb.bf16 = bf16 || pb.kind == Kind::kBF16;
-  pb.weight_bytes = w.size_bytes() + scales.size_bytes() + mins.size_bytes();
-  pb.row_bytes = pb.out ? w.size_bytes() / pb.out : 0;
+  pb.weight_bytes = w_at.bytes + scales_at.bytes + mins_at.bytes;
+  pb.row_bytes = pb.out ? w_at.bytes / pb.out : 0;
   if (pb.bf16 && pb.kind == Kind::kF32)
     return ffi::Error::InvalidArgument("bf16 is for bfloat16 or quantized weights");
   return ffi::Error::Success();
@@ -424,7 +455,8 @@ const float* gate_rows(const float* x, int64_t rows, int64_t in, Gate gate,
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                   ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::AnyBuffer norm,
                   ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> y, bool bf16,
-                  int64_t parallel_bytes, float norm_eps, float norm_offset, int32_t gate) {
+                  int64_t parallel_bytes, float norm_eps, float norm_offset, int32_t gate,
+                  int64_t layer) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return ffi::Error::InvalidArgument("x must be a matrix");
   if (gate < 0 || gate > 2) return ffi::Error::InvalidArgument("gate must be 0, 1 or 2");
@@ -438,7 +470,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   static thread_local Scratch scratch;
   Problem& pb = scratch.problem;
   pb = Problem{};
-  ffi::Error error = weight_problem(w, scales, mins, x_dims[0], in, bf16, pb);
+  ffi::Error error = weight_problem(w, scales, mins, x_dims[0], in, bf16, layer, pb);
   if (error.failure()) return error;
   const auto y_dims = y->dimensions();
   if (y_dims.size() != 2 || y_dims[0] != pb.rows || y_dims[1] != pb.out)
@@ -507,9 +539,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaLinearCpu, Linear,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [R, I]
-                                  .Arg<ffi::AnyBuffer>()  // w [O, I] (int4: u8[O, I/2])
-                                  .Arg<ffi::AnyBuffer>()  // scales [O, G] or [0, 0]
-                                  .Arg<ffi::AnyBuffer>()  // mins [O, I/32] or [0, 0]
+                                  // w [O, I] (int4: u8[O, I/2]), or [L, O, I] stacked
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // scales [(L,) O, G] or [0, 0]
+                                  .Arg<ffi::AnyBuffer>()  // mins [(L,) O, I/32] or [0, 0]
                                   .Arg<ffi::AnyBuffer>()  // norm [I] or [0]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // residual [R, O] or [0, 0]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [R, O]
@@ -518,4 +551,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaLinearCpu, Linear,
                                   .Attr<int64_t>("parallel_bytes")
                                   .Attr<float>("norm_eps")
                                   .Attr<float>("norm_offset")
-                                  .Attr<int32_t>("gate"));  // Gate: 0 none, 1 silu, 2 GELU
+                                  .Attr<int32_t>("gate")  // Gate: 0 none, 1 silu, 2 GELU
+                                  .Attr<int64_t>("layer"));  // a stacked w's matrix

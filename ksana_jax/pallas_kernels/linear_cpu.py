@@ -131,7 +131,8 @@ def available() -> bool:
 
 def supports(w: jax.Array | quant.QuantizedMatrix) -> bool:
     """Whether the kernel takes weight `w` (a matrix [O, I] in float32 / bfloat16, or an int8
-    / int4 quantized one; int8 groups must be whole vectors of 16)."""
+    / int4 quantized one, a layer view of stacked arrays included: the call reads its layer in
+    place; int8 groups must be whole vectors of 16)."""
     if len(w.shape) != 2:
         return False
     if jnp.dtype(w.dtype) not in _WEIGHT_DTYPES:  # a quantized matrix's: its product's dtype
@@ -152,6 +153,12 @@ def takes(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> bool:
         return False
     mesh = jax.sharding.get_abstract_mesh()
     return (mesh.empty or mesh.size == 1) and available()
+
+
+def indexes_layers() -> bool:
+    """Whether a one-device model here keeps its quantized layer matrices stacked
+    (registry.stack_layers): the kernel reads each layer's matrix from them in place."""
+    return ENABLED and jax.default_backend() == "cpu" and available()
 
 
 def rows_taken(params) -> int:
@@ -243,4 +250,5 @@ def linear(
         norm_eps=np.float32(eps),
         norm_offset=np.float32(offset),
         gate=np.int32(GATES.get(gate, 0)),
+        layer=np.int64(getattr(w, "layer", None) or 0),
     )
