@@ -191,6 +191,8 @@ def test_one_device_holds_quantized_layer_matrices_stacked(tiny_dir):
     per_layer_model = dataclasses.replace(model, params=per_layer)
     np.testing.assert_array_equal(model.logits(TOKENS), per_layer_model.logits(TOKENS))
     assert registry.STACKED in model.plan.shard_params(per_layer)  # placing stacks them again
+    bf16 = model.with_dtype("bfloat16").params  # placed again, stacked as they were
+    assert sorted(bf16[registry.STACKED]) == sorted(stacked) and "wo" not in bf16["layers"][0]
 
 
 def test_with_dtype_changes_the_matmul_dtype_not_the_packed_values(tiny_dir):
