@@ -25,6 +25,7 @@ from ksana_jax.config import ModelConfig
 from ksana_jax.demo import resolve_model
 from ksana_jax.kv_cache import KVCacheSpec, allocate_kv, resolve_kv_dtype
 from ksana_jax.models import registry
+from ksana_jax.pallas_kernels import linear_cpu
 from ksana_jax.step import logits_step
 from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
 from ksana_jax.tokenizer import Tokenizer
@@ -104,7 +105,7 @@ class Model:
         config = with_expert_parallel(self.config, enable_expert_parallel)
         if tensor_parallel_size == self.plan.tensor_parallel_size and config == self.config:
             return self
-        plan = sharding.make_plan(config, tensor_parallel_size)
+        plan = _make_plan(config, tensor_parallel_size)
         params = plan.shard_params(self.params)
         return dataclasses.replace(self, config=config, params=params, plan=plan)
 
@@ -133,6 +134,13 @@ class Model:
             kv = allocate_kv(spec, self.plan.kv_sharding(spec.shape))
             out, _ = logits_step(self.params, self.config, kv, inputs, indices)
         return sharding.fetch(out)[:n]
+
+
+def _make_plan(config: ModelConfig, tensor_parallel_size: int) -> sharding.ShardingPlan:
+    """The model's plan: on one device whose CPU kernel indexes them, its quantized layer
+    matrices are held stacked (ShardingPlan.stack_layers)."""
+    stack = linear_cpu.indexes_layers()
+    return sharding.make_plan(config, tensor_parallel_size, stack_layers=stack)
 
 
 def with_expert_parallel(config: ModelConfig, enable: bool) -> ModelConfig:
@@ -174,7 +182,7 @@ def load(
         config = checkpoint.validate(path)  # names a missing or damaged file before any read
         config = with_expert_parallel(config, enable_expert_parallel)
         target = config.dtype if dtype == "auto" else dtype
-        plan = sharding.make_plan(config, tensor_parallel_size)
+        plan = _make_plan(config, tensor_parallel_size)
         shapes = registry.param_shapes(config)
         params = checkpoint.load_params(
             path, config, target, lambda name: plan.param_sharding(name, shapes[name])
@@ -191,7 +199,7 @@ def load(
         stored = source.quantization
         config = with_expert_parallel(source.config, enable_expert_parallel)
         tokenizer = Tokenizer.from_files(source.tokenizer_files)
-        plan = sharding.make_plan(config, tensor_parallel_size)
+        plan = _make_plan(config, tensor_parallel_size)
         params = plan.shard_params(source.params)
         generation = source.generation_config or {}
     if dtype != "auto":

@@ -69,7 +69,6 @@ from ksana_jax import quant
 from ksana_jax.config import ModelConfig
 from ksana_jax.kv_cache import KVCache
 from ksana_jax.models import registry
-from ksana_jax.pallas_kernels import linear_cpu
 
 DATA, MODEL, KV_REPLICA = "data", "model", "kv_replica"
 TENSOR = (MODEL, KV_REPLICA)  # the tensor-parallel devices, for column and row splits
@@ -112,6 +111,9 @@ class ShardingPlan:
     heads_split: bool  # attention split by heads (else replicated)
     # parameter's flat name -> logical axes (its family's declaration, registry.param_axes)
     param_axes: Mapping[str, tuple[str | None, ...]] = dataclasses.field(default_factory=dict)
+    # on one device, quantized layer matrices held stacked over the layers
+    # (registry.stack_layers): where the CPU kernel indexes them (model.py decides)
+    stack_layers: bool = False
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -167,9 +169,9 @@ class ShardingPlan:
 
     def shard_params(self, params: Any) -> Any:
         """`params` placed in their shardings (a no-op for arrays already there), each int4
-        matrix marked with its split (`with_splits`), their quantized layer matrices stacked
-        where the CPU kernel multiplies them (on one device: registry.stack_layers)."""
-        stacked = self.mesh.size == 1 and linear_cpu.indexes_layers()
+        matrix marked with its split (`with_splits`), the quantized layer matrices stacked as
+        `stack_layers` says (on one device) and else held per layer."""
+        stacked = self.stack_layers and self.mesh.size == 1
         params = self.with_splits(registry.stack_layers(params, stacked))
         return jax.device_put(params, self.param_shardings(params))
 
@@ -223,8 +225,10 @@ def make_plan(
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
     devices: Sequence[jax.Device] | None = None,
+    stack_layers: bool = False,
 ) -> ShardingPlan:
-    """The mesh and sharding rules for `cfg` on the first tp * dp devices (all processes').
+    """The mesh and sharding rules for `cfg` on the first tp * dp devices (all processes');
+    `stack_layers`: ShardingPlan.stack_layers.
 
     Raises ValueError when fewer devices exist than requested.
     """
@@ -264,7 +268,11 @@ def make_plan(
     if split is not None and tp > 1:
         rules |= {"q_heads": TENSOR, "kv_heads": (MODEL,)}
     return ShardingPlan(
-        mesh, rules, heads_split=split is not None and tp > 1, param_axes=registry.param_axes(cfg)
+        mesh,
+        rules,
+        heads_split=split is not None and tp > 1,
+        param_axes=registry.param_axes(cfg),
+        stack_layers=stack_layers,
     )
 
 
