@@ -247,7 +247,7 @@ def stack_layers(params: Params, stacked: bool) -> Params:
     leading L axis. Not: each layer holds its own. A step's forward then takes one array
     where it took one a layer, and dispatching it costs JAX and PjRt work per argument:
     ~1.7 us an array once a decode step has flushed the caches (SmolLM2 int4: 424 arrays
-    per layer, 76 stacked). Already stacked matrices stay as they are."""
+    with each layer's own, 76 stacked). Matrices already stacked stay as they are."""
     held = params.get(STACKED, {})
     if not stacked or not all(quant.is_quantized(m) for m in held.values()):
         params = unstack(params)  # (a map over the params may have dequantized some)
