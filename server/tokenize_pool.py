@@ -93,14 +93,23 @@ class HostWork:
                 self._num_processes, self._processes = 0, None
 
     def shutdown(self) -> None:
-        """Stops both pools without waiting; the worker processes are terminated (one may
-        still be starting up, and would hold the server's terminal open a while longer)."""
+        """Stops both pools without waiting for their jobs; the worker processes are
+        terminated (one may still be starting up, and would hold the server's terminal open a
+        while longer).
+
+        It then waits, briefly, for the process pool's manager thread to end. That thread
+        closes a pipe that CPython's exit hook for process pools writes to without the pool's
+        lock (3.11 and 3.12): a server that exits while the thread is closing it prints an
+        `OSError: Bad file descriptor` traceback on its way out."""
         self._threads.shutdown(wait=False, cancel_futures=True)
         if self._processes is not None:
             workers = list((getattr(self._processes, "_processes", None) or {}).values())
+            manager = getattr(self._processes, "_executor_manager_thread", None)
             self._processes.shutdown(wait=False, cancel_futures=True)
             for worker in workers:
                 worker.terminate()
+            if manager is not None:
+                manager.join(timeout=5)  # it ends once it sees the workers gone
             self._processes = None
 
     async def _submit(self, pool: concurrent.futures.Executor, fn: Callable[..., T], *args) -> T:

@@ -264,9 +264,13 @@ def test_host_work_encodes_long_texts_in_a_process(tmp_path):
 
     try:
         long, short = asyncio.run(main())
+        manager = work._processes._executor_manager_thread
     finally:
         work.shutdown()
     assert list(long) == tokenizer.encode(text) and list(short) == [5, 6]
+    # Shut down means the pool's manager thread has ended: a server exiting while it closes
+    # its pipe got a traceback from CPython's exit hook (a CI run failed on it).
+    assert not manager.is_alive()
 
 
 def test_host_work_queue_is_bounded_and_falls_back_to_threads(caplog):
