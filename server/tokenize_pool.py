@@ -99,7 +99,7 @@ class HostWork:
 
         It then waits, briefly, for the process pool's manager thread to end. That thread
         closes a pipe that CPython's exit hook for process pools writes to without the pool's
-        lock (3.11 and 3.12): a server that exits while the thread is closing it prints an
+        lock (CPython 3.11): a server that exits while the thread is closing it prints an
         `OSError: Bad file descriptor` traceback on its way out."""
         self._threads.shutdown(wait=False, cancel_futures=True)
         if self._processes is not None:
