@@ -90,6 +90,7 @@ def page_writes_width(num_tokens: int, num_seqs: int, page_size: int) -> int:
         "sample_rows",
         "sample_offsets",
         "sample_has_draft",
+        "samples_greedily",
     ],
     meta_fields=["context_pages", "sampled_positions", "drafts"],
 )
@@ -112,6 +113,9 @@ class RowInputs:
     sample_rows: jax.Array  # i32[W]  its row (padding: S)
     sample_offsets: jax.Array  # i32[W]  j: it samples the row's j-th new token (padding: 0)
     sample_has_draft: jax.Array  # bool[W]  a proposal follows it (the next token slot)
+    # bool[]  the forward program samples the step itself, the argmax of every row (its rows
+    # are SamplerPlan.GREEDY's, unconstrained, nothing scored): no sampling program follows
+    samples_greedily: jax.Array
     context_pages: int  # static: P, the page-table columns the step reads (its context bucket)
     # static: the sampled positions the LM head and the sampler run over, the first of W:
     # min(T, S), unless the step's proposals need more (`sampled_positions`)
@@ -340,6 +344,7 @@ class PersistentBatch:
             sample_rows,
             sample_offsets,
             has_draft,
+            np.zeros((), bool),  # the runner decides (runner.samples_in_forward)
             pages,
             sampled_positions(num_tokens, num_seqs, num_positions, used),
             used > n and any(c.draft_token_ids[:1] == (DRAFTED,) for c in chunks),

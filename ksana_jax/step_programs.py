@@ -3,7 +3,9 @@ side), against the persistent batch's device state (`BatchState`: each slot's la
 token, penalty counts and page table).
 
     forward_step      the model; the sampled positions' logits and the scored positions'
-                      hidden states stay on the device                    (KV donated)
+                      hidden states stay on the device; a step whose rows sample greedily
+                      with nothing else to do, its tokens too (no sample_step follows)
+                                                                          (KV donated)
     sample_step       tokens, logprobs, proposals, under a static sampling.SamplerPlan
                                                                           (BatchState donated)
     score_step        prompt logprobs at a static scored size (only steps that score)
@@ -37,6 +39,7 @@ from ksana_jax.sampling import (
     PenaltyCounts,
     SampledTokens,
     SamplerPlan,
+    SamplingInputs,
     ScoredLogprobs,
     count_tokens,
     if_needed,
@@ -78,15 +81,20 @@ def _on_used_positions(rows: RowInputs, fn, *operands):
     return jax.tree.map(lambda a: jnp.pad(a, [(0, width - size)] + [(0, 0)] * (a.ndim - 1)), out)
 
 
-def _last_tokens(sampled: SampledTokens, next_tokens: jax.Array, rows: RowInputs) -> jax.Array:
-    """bool[W]: the position whose token is its row's last after verification: the first
-    whose draft the target rejected, or the last (spec_decode.py)."""
+def _with_last_tokens(
+    last_token: jax.Array, token_ids: jax.Array, next_tokens: jax.Array, rows: RowInputs, slots
+) -> jax.Array:
+    """BatchState.last_token once the step sampled `token_ids` i32[W] at its positions: each
+    row's slot (`slots` i32[W], SamplingInputs.slots) takes the token of the position that
+    is the row's last after verification -- the first whose draft the target rejected, or
+    the last (spec_decode.py). Exactly one position of each row writes its slot."""
     num_seqs = rows.reset_slots.shape[0]
-    match = rows.sample_has_draft & (sampled.token_ids == next_tokens)
+    match = rows.sample_has_draft & (token_ids == next_tokens)
     never = jnp.iinfo(jnp.int32).max
     first_miss = jnp.full(num_seqs + 1, never, jnp.int32)
     first_miss = first_miss.at[rows.sample_rows].min(jnp.where(match, never, rows.sample_offsets))
-    return rows.sample_offsets == first_miss[rows.sample_rows]
+    is_last = rows.sample_offsets == first_miss[rows.sample_rows]
+    return last_token.at[jnp.where(is_last, slots, last_token.size)].set(token_ids, mode="drop")
 
 
 def _next_tokens(inputs: StepInputs, rows: RowInputs) -> jax.Array:
@@ -104,6 +112,8 @@ def _next_tokens(inputs: StepInputs, rows: RowInputs) -> jax.Array:
         "scored_hidden",
         "scored_targets",
         "buffers",
+        "proposals",
+        "greedy_tokens",
     ],
     meta_fields=["layout"],
 )
@@ -117,6 +127,8 @@ class Forwarded:
     scored_hidden: jax.Array  # f32[Q, D]  the final hidden states RowInputs scores
     scored_targets: jax.Array  # i32[Q]  the prompt token each one predicts (padding: -1)
     buffers: tuple[jax.Array, jax.Array]  # the step's packed inputs, for the sampler's rows
+    proposals: jax.Array  # i32[W]  each sampled position's proposal (-1: none)
+    greedy_tokens: jax.Array  # i32[W]  the step's tokens where RowInputs.samples_greedily
     layout: PackLayout  # static: how to unpack them
 
 
@@ -139,12 +151,15 @@ def _forward(
     its rows gained into the device's page table and reads their first P pages from it,
     feeds placeholders their slot's last sampled token, runs the model, projects the
     sampled positions' logits and gathers the hidden states of the prompt positions
-    RowInputs scores. It branches on nothing and loops on nothing (see sampling.py: a GPU
-    would wait for the work queued before it): what varies from step to step on the host's
-    knowledge is static in RowInputs. With a draft model (draft.py) the draft first fills
-    the drafted slots (in a step where some row drafts), then computes the step's tokens on
-    its own KV."""
-    inputs, _, rows = unpack(buffers, layout)[:3]
+    RowInputs scores. It loops on nothing and branches only where that costs no sync (see
+    sampling.py: a GPU would wait for the work queued before it): what varies from step to
+    step on the host's knowledge is static in RowInputs. Where RowInputs.samples_greedily,
+    it samples the step too (the argmax of each row: SamplerPlan.GREEDY) and advances the
+    slots' last tokens, so the next step's forward follows this one directly: on XLA:CPU a
+    second program cost a batch-1 step 0.2-0.3 ms (runner.py; `_greedy_step`). With
+    a draft model (draft.py) the draft first fills the drafted slots (in a step where some
+    row drafts), then computes the step's tokens on its own KV."""
+    inputs, sampling, rows = unpack(buffers, layout)[:3]
     page_table = rows.page_writes.apply(state.page_table)
     fed = state.last_token.at[rows.last_token_slots].get(mode="fill", fill_value=-1)
     inputs = dataclasses.replace(
@@ -164,16 +179,58 @@ def _forward(
         lambda size, hidden: registry.logits(params, cfg, hidden[rows.sample_token_slots[:size]]),
         hidden,
     )
+    next_tokens = _next_tokens(inputs, rows)
+    greedy_tokens, last_token = _greedy_step(
+        logits, next_tokens, rows, sampling, state, max_logprobs
+    )
     out = Forwarded(
         logits,
-        _next_tokens(inputs, rows),
+        next_tokens,
         inputs.token_ids,
         hidden[rows.scored_token_slots],
         rows.scored_targets,
         buffers,
+        jnp.where(rows.sample_has_draft, next_tokens, -1),
+        greedy_tokens,
         layout,
     )
-    return out, kv, _replicated(dataclasses.replace(state, page_table=page_table)), draft_kv
+    state = dataclasses.replace(state, last_token=last_token, page_table=page_table)
+    return out, kv, _replicated(state), draft_kv
+
+
+def _greedy_step(
+    logits: jax.Array,
+    next_tokens: jax.Array,
+    rows: RowInputs,
+    sampling: SamplingInputs,
+    state: BatchState,
+    max_logprobs: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The forward's sampling where RowInputs.samples_greedily: the step's tokens i32[W] (as
+    the GREEDY sampling program would give them) and the slots' last tokens after them;
+    otherwise (zeros, the last tokens unchanged) -- the sampling program follows. A
+    conditional on CPU and TPU; on a GPU, where one costs a sync, the argmax always runs (a
+    sampling program that follows overwrites every slot it wrote)."""
+
+    def greedy(last_token: jax.Array) -> tuple[jax.Array, jax.Array]:
+        sampled = _on_used_positions(
+            rows,
+            lambda size, logits: sample(
+                logits[:size],
+                jax.tree.map(lambda a: a[:size], sampling),
+                state.counts,
+                max_logprobs,
+                SamplerPlan.GREEDY,
+            ),
+            logits,
+        )
+        tokens = sampled.token_ids
+        return tokens, _with_last_tokens(last_token, tokens, next_tokens, rows, sampling.slots)
+
+    def skip(last_token: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros(logits.shape[0], jnp.int32), last_token
+
+    return if_needed(rows.samples_greedily, greedy, skip, state.last_token)
 
 
 def _sample(
@@ -213,13 +270,11 @@ def _sample(
         ),
         forwarded.logits,
     )
-    last = jnp.where(
-        _last_tokens(sampled, forwarded.next_tokens, rows), sampling.slots, state.last_token.size
+    last_token = _with_last_tokens(
+        state.last_token, sampled.token_ids, forwarded.next_tokens, rows, sampling.slots
     )
-    last_token = state.last_token.at[last].set(sampled.token_ids, mode="drop")
-    proposals = jnp.where(rows.sample_has_draft, forwarded.next_tokens, -1)
     state = _replicated(BatchState(last_token, counts, state.page_table))
-    return (sampled, proposals), state
+    return (sampled, forwarded.proposals), state
 
 
 def _score(

@@ -187,6 +187,57 @@ def test_engine_emits_deltas_that_add_up_to_the_outputs(tiny_model, asynchronous
     assert got == want
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 2}  # fmt: skip
+GREEDY_STEPS = {
+    "greedy": (PROMPTS, GREEDY, {}),
+    "greedy_preemption": (PROMPTS, GREEDY, SMALL_POOL),
+    "stops_and_limits": SCENARIOS["stops_and_limits"],  # min_tokens: a full plan's steps
+    "greedy_beside_sampled": (PROMPTS, [GREEDY, SEEDED] * 3, {}),
+    "ngram_proposals": (
+        [(p * 6)[:40] for p in (PROMPTS[1], PROMPTS[5], PROMPTS[0] + [7, 8])],
+        GREEDY,
+        {"speculative_config": NGRAM},
+    ),
+}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("name", list(GREEDY_STEPS))
+def test_forward_samples_greedy_steps_as_the_sampling_program_would(
+    tiny_model, name, asynchronous, monkeypatch
+):
+    """A step whose rows all sample greedily with nothing else to do is one program: the
+    forward samples it (runner.samples_in_forward). Its tokens, stops, proposals' verdicts
+    and the slots' last tokens the next step reads equal the two-program step's (the
+    sampling program, patched in for every step), and such steps dispatch no sampling
+    program, while the others still do."""
+    from ksana_jax import runner
+
+    prompts, params, overrides = GREEDY_STEPS[name]
+    samples = []  # each sampling program's plan
+    sample = runner.ModelRunner.sample
+
+    def counted(self, forwarded, token_bitmask, sampler, num_scored=0):
+        samples.append(sampler)
+        return sample(self, forwarded, token_bitmask, sampler, num_scored)
+
+    monkeypatch.setattr(runner.ModelRunner, "sample", counted)
+    got, engine = generate(tiny_model, prompts, params, asynchronous, **overrides)
+    by_forward = engine.stats.steps - len(samples)
+    samples.clear()
+    monkeypatch.setattr(runner, "samples_in_forward", lambda *_: False)
+    want, two_programs = generate(tiny_model, prompts, params, asynchronous, **overrides)
+    assert got == want
+    assert engine.stats.steps == two_programs.stats.steps == len(samples)
+    if name in ("greedy", "greedy_preemption", "ngram_proposals"):
+        assert by_forward == engine.stats.steps  # no sampling program at all
+    else:  # a plan other than GREEDY: the sampling program ran for those steps
+        assert engine.stats.steps - by_forward > 0
+    if name == "ngram_proposals":
+        assert engine.speculator.num_accepted > 0
+
+
 def test_no_compilation_after_warm_up_with_async_scheduling(tiny_model):
     compiles = record_compilations()
     llm = LLM(tiny_model, async_scheduling=True, **(BASE | {"num_pages": 70}))
