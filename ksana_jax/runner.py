@@ -430,10 +430,10 @@ class ModelRunner:
         """Dispatches the sampling program of a step `dispatch` began, unless its forward
         sampled it: its constrained rows' token bitmasks are filled now, from their grammars
         (up to date once the step before is fetched), while the forward runs on the device.
-        What `fetch` will read is copied
-        to the host as soon as it is computed: asked for only at the fetch, XLA:CPU queued the
-        copy behind the step dispatched meanwhile (async scheduling's next forward), so the
-        host waited for that step too before dispatching the one after it."""
+        What `fetch` will read is copied to the host as soon as it is computed: asked for
+        only at the fetch, XLA:CPU queued the copy behind the step dispatched meanwhile
+        (async scheduling's next forward), so the host waited for that step too before
+        dispatching the one after it."""
         if step.sampled:
             out = _sampled_by_forward(step.forwarded)
         else:
