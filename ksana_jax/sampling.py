@@ -357,6 +357,9 @@ def _with_penalties(logits: jax.Array, s: SamplingInputs, counts: PenaltyCounts)
 
 
 ARGMAX_BLOCK = 128
+# Up to this many rows the blocks' maxima are a tree of elementwise maxima, past it a max
+# reduction (see _block_max).
+TREE_MAX_ROWS = 8
 
 
 def _first_max(x: jax.Array) -> jax.Array:
@@ -365,6 +368,22 @@ def _first_max(x: jax.Array) -> jax.Array:
     n = x.shape[-1]
     is_max = x == jnp.max(x, axis=-1, keepdims=True)
     return jnp.min(jnp.where(is_max, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+
+def _block_max(blocks: jax.Array) -> jax.Array:
+    """Each block's max f32[S, B] of blocks f32[S, B, ARGMAX_BLOCK]. XLA:CPU hands a max
+    reduction to YNNPACK, which splits it over XLA's thread pool: at a few rows, in a step
+    whose products ran on the C++ kernel's own threads, waking that pool took most of its
+    0.06-0.12 ms a step (SmolLM2 int4 at batch 1, benchmarks/cpu_step_profile.py). A tree
+    of elementwise maxima halving the block is one loop fusion on the calling thread (~0.01
+    ms there); past TREE_MAX_ROWS rows the parallel reduction wins (benchmarks/sampler.py)."""
+    if blocks.shape[0] > TREE_MAX_ROWS:
+        return jnp.max(blocks, axis=-1)
+    assert ARGMAX_BLOCK & (ARGMAX_BLOCK - 1) == 0, "halving needs a power of two"
+    while blocks.shape[-1] > 1:
+        half = blocks.shape[-1] // 2
+        blocks = jnp.maximum(blocks[..., :half], blocks[..., half:])
+    return blocks[..., 0]
 
 
 def _argmax(x: jax.Array) -> jax.Array:
@@ -378,7 +397,7 @@ def _argmax(x: jax.Array) -> jax.Array:
     num_blocks = -(-vocab // ARGMAX_BLOCK)
     x = jnp.pad(x, ((0, 0), (0, num_blocks * ARGMAX_BLOCK - vocab)), constant_values=-jnp.inf)
     blocks = x.reshape(rows, num_blocks, ARGMAX_BLOCK)
-    block_max = jax.lax.optimization_barrier(jnp.max(blocks, axis=-1))
+    block_max = jax.lax.optimization_barrier(_block_max(blocks))
     block = jnp.minimum(_first_max(block_max), num_blocks - 1)
     inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
     first = block * ARGMAX_BLOCK + _first_max(inside)

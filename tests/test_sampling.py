@@ -489,22 +489,24 @@ def test_score_prompt_is_log_softmax_at_the_scored_positions(num_used):
     )
 
 
+@pytest.mark.parametrize("rows", [6, sampling.TREE_MAX_ROWS + 4])
 @pytest.mark.parametrize("vocab", [6, 300, 1024])
-def test_plain_greedy_is_the_first_argmax(vocab):
+def test_plain_greedy_is_the_first_argmax(vocab, rows):
     """A batch of plain greedy rows (no logprobs, bias, penalty, ban or mask) takes the
-    sampler's shortcut: the two-stage argmax over blocks of the vocabulary. It returns
-    numpy's first index of the max (ties inside and across blocks, the max in the padded last
+    sampler's shortcut: the two-stage argmax over blocks of the vocabulary (their maxima by a
+    tree of maxima up to TREE_MAX_ROWS rows, by a reduction past it). It returns numpy's
+    first index of the max (ties inside and across blocks, the max in the padded last
     block), as the full path does for the same rows."""
     rng = np.random.default_rng(vocab)
-    logits = rng.standard_normal((6, vocab)).astype(np.float32)
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
     logits[0, :] = 1.0  # all tied: token 0
     logits[1, [vocab - 1, vocab // 2]] = 9.0  # tie across blocks: the first
     logits[2, -1] = 9.0  # the max in the last (padded) block
     logits[3, [1, 2]] = 9.0  # tie inside a block
     logits[4] = -np.abs(logits[4]) - 1.0  # all negative: the padding must not win
-    plain = run(logits, make_inputs(6, vocab=vocab, temperature=0.0, num_logprobs=-1))
+    plain = run(logits, make_inputs(rows, vocab=vocab, temperature=0.0, num_logprobs=-1))
     np.testing.assert_array_equal(plain.token_ids, logits.argmax(axis=1))
-    full = run(logits, make_inputs(6, vocab=vocab, temperature=0.0))  # wants logprobs
+    full = run(logits, make_inputs(rows, vocab=vocab, temperature=0.0))  # wants logprobs
     np.testing.assert_array_equal(full.token_ids, plain.token_ids)
 
 
