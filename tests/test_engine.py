@@ -286,11 +286,11 @@ def test_stream_and_chat(tiny_model):
 
 
 def test_bfloat16_on_cpu_decodes_one_sequence_in_a_one_token_step(tiny_model):
-    """linear_cpu's kernel takes bfloat16 (and float32) matrices at one row, so on CPU the
-    derived token buckets start with 1 (batch-1 decode runs the kernel instead of 16 padded
-    rows through XLA's dot) and hold each sequence bucket (8 decode rows take an 8-token
-    step, not 16); warm-up compiles those steps too. Buckets set to other than the derived
-    ones keep them."""
+    """linear_cpu's kernel takes bfloat16 matrices at one row, so on CPU the derived token
+    buckets start with 1 (batch-1 decode runs the kernel instead of 16 padded rows through
+    XLA's dot) and hold each sequence bucket (8 decode rows take an 8-token step, not 16);
+    warm-up compiles those steps too. Buckets set to other than the derived ones, and
+    float32 weights (XLA's matrix-vector product), keep their buckets."""
     compiles = record_compilations()
     llm = LLM(tiny_model, dtype="bfloat16", **BASE)
     decode = (1, 8) if linear_cpu.available() else ()
@@ -303,8 +303,7 @@ def test_bfloat16_on_cpu_decodes_one_sequence_in_a_one_token_step(tiny_model):
     assert compile_count() == warm and compiles == []
     chosen = LLM(tiny_model, warm_up=False, dtype="bfloat16", **(BASE | {"token_buckets": (8, 64)}))
     assert chosen.engine.runner.config.token_buckets == (8, 64)
-    float32 = LLM(tiny_model, warm_up=False, **BASE)
-    assert float32.engine.runner.config.token_buckets == (*decode, 16, 64)
+    assert LLM(tiny_model, warm_up=False, **BASE).engine.runner.config.token_buckets == (16, 64)
     # With speculation, a verifying row's k + 1 tokens get a step of their own (k = 3: 4).
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     verifying = LLM(tiny_model, warm_up=False, dtype="bfloat16", speculative_config=spec, **BASE)

@@ -205,7 +205,7 @@ def test_layers_linear_takes_the_kernel_at_few_rows_only():
     bias = jnp.asarray(rng.standard_normal(33), jnp.float32)
     flags = cpu_build.cpu_flags()
     dot_isa = linear_cpu.direct_isa() == "avx2" or {"avx512_vnni", "avx512_bf16"} <= flags
-    for fmt in ("float32", "bfloat16", "int8", "int8_bf16", "int4", "int4_bf16"):
+    for fmt in ("bfloat16", "int8", "int8_bf16", "int4", "int4_bf16"):
         w = weight(rng, fmt, 33, 96)
         most = linear_cpu.max_rows(w)
         dots = linear_cpu.integer_dots(w)  # a quantized bfloat16 product, VNNI or AVX2
