@@ -103,7 +103,12 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 # decoded 1,131-1,266 tok/s at 1 row with async scheduling against 695-829): with the kernel
 # at few rows and XLA's dot beyond, tests/test_server_echo.py failed: two greedy samples of
 # one prompt (n=2) got different logprobs, and a streamed response differed from the whole
-# one. Not yet explained (the kernel gives identical rows identical sums at 1-8 rows).
+# one. A position's products then depend on the step that computes it (the kernel in a step of
+# up to 8 tokens, XLA's dot in a larger one: the same sums in another order), and chunked
+# prefill splits two samples' prompts into different steps: the tiny model, n=2 greedy, prefix
+# caching off, a 12-token prompt's samples agree and a 40-token one's (over a step's 32
+# tokens) do not; with float32 on XLA's dot both agree. bfloat16 models have the same property
+# at their MAX_ROWS (no test compares their samples exactly).
 MAX_ROWS = {
     "float32": 0,
     "bfloat16": 8 if cpu_has_amx() else 64 if direct_isa() == "avx512" else 16,
