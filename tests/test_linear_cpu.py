@@ -247,6 +247,24 @@ def test_work_shared_over_the_pool_equals_the_reference(fmt):
                     np.testing.assert_allclose(got, want, atol=2e-6 * scale * np.sqrt(inp), rtol=0)
 
 
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8_bf16", "int8_q8_0_bf16", "int4_bf16"])
+def test_a_rows_sums_do_not_depend_on_the_calls_rows(fmt):
+    """Each row of a call of 2-8 rows is the same numbers as that row alone (register tiles
+    of 1, 2 and 4 rows, with tails), on the caller and shared over the pool: within the
+    kernel's rows a request's tokens do not depend on its batch."""
+    rng = np.random.default_rng(5)
+    for out, inp in [(130, 576), (37, 1536), (3, 96)]:
+        w = weight(rng, fmt, out, inp)
+        x = jnp.asarray(rng.standard_normal((8, inp)), jnp.float32)
+        for parallel_bytes in (linear_cpu.PARALLEL_BYTES, 0):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(linear_cpu, "PARALLEL_BYTES", parallel_bytes)
+                kernel = jax.jit(lambda x, w: linear_cpu.linear(x, w))  # traced anew
+                alone = np.concatenate([kernel(x[r : r + 1], w) for r in range(8)])
+                for rows in (2, 3, 5, 8):
+                    np.testing.assert_array_equal(kernel(x[:rows], w), alone[:rows])
+
+
 def test_layers_linear_is_one_call_at_few_rows_only():
     """`layers.linear` lowers to ONE custom call for a fused q/k/v weight at few rows, to none
     past MAX_ROWS or with KSANA_JAX_CPU_LINEAR=0 (`ENABLED`), and its result is the same each
