@@ -40,6 +40,7 @@ then its plan and bitmask, to the others, which run the same programs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import NamedTuple
 
 import jax
@@ -93,6 +94,7 @@ from ksana_jax.step_programs import (
     write_pages_step,
 )
 
+log = logging.getLogger("ksana_jax.runner")
 GIB = 1 << 30
 MAX_SUPPRESSED_IDS = 8  # EOS + stop_token_ids banned while a request is below min_tokens
 
@@ -206,6 +208,13 @@ class ModelRunner:
     def __init__(self, model: Model, config: EngineConfig, draft_model: Model | None = None):
         self.model = model
         self.draft = draft_model  # speculative decoding's draft model (draft.py), or None
+        if model.quantization and model.config.dtype == "float32" and linear_cpu.indexes_layers():
+            log.warning(
+                "%s weights multiply float32 activations (dtype float32, the checkpoint's); "
+                "the CPU kernel's integer dots take bfloat16 products: dtype='bfloat16' "
+                "(--dtype bfloat16) decodes ~2x faster (README: Quantization)",
+                model.quantization,
+            )
         self.config = config = _with_decode_buckets(config, model)
         platform = jax.default_backend()
         capability = getattr(jax.local_devices()[0], "compute_capability", None)

@@ -232,3 +232,17 @@ def test_compiled_step_holds_packed_weights_and_one_dequantized_matrix(tiny_dir,
     assert args - dense_args == quant.nbytes(model.params) - quant.nbytes(dense.params)
     largest = max(x.size * 2 for x in jax.tree.leaves(dense.params))  # bfloat16 bytes
     assert temp <= dense_temp + largest
+
+
+@pytest.mark.skipif(not linear_cpu.indexes_layers(), reason="no CPU linear kernel here")
+def test_a_quantized_float32_model_on_cpu_says_bfloat16_decodes_faster(float_model, caplog):
+    """int4 weights in float32 products miss the CPU kernel's integer dots (bfloat16 products
+    only): the engine says so once, naming the option; not for a bfloat16 model."""
+    options = dict(quantization="int4", max_model_len=64, max_num_seqs=1, warm_up=False)
+    with caplog.at_level("WARNING", logger="ksana_jax.runner"):
+        LLM(float_model, **options)
+    assert [r.getMessage() for r in caplog.records if "dtype='bfloat16'" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ksana_jax.runner"):
+        LLM(float_model, dtype="bfloat16", **options)
+    assert not [r for r in caplog.records if "dtype='bfloat16'" in r.getMessage()]
