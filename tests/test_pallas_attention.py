@@ -419,6 +419,30 @@ def test_cpu_backends_match_oracle_float16_kv(backend, num_kv_heads, group, head
             raise AssertionError(f"scenario {name!r}: {e}") from None
 
 
+@pytest.mark.parametrize("page_size", [8, 16, 24])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_cpu_kernel_float32_pages_read_in_place_or_copied(head_dim, page_size):
+    """With float32 pages the CPU kernel reads a tile of 16 positions where it lies when the
+    tile is one run of a page (page size 16 or 24), else copies it (page size 8: every tile
+    spans two pages; 24: every other one does). Unowned page rows are NaN, so a tile read
+    from the wrong place, or past its positions, shows."""
+    pages_per_seq = -(-128 // page_size)
+    for seed, name in enumerate(["decode", "prefill_chunks", "mixed", "long_chunk"]):
+        args = make_batch(
+            SCENARIOS[name],
+            num_kv_heads=2,
+            group=2,
+            head_dim=head_dim,
+            seed=seed,
+            page_size=page_size,
+            pages_per_seq=pages_per_seq,
+        )
+        try:
+            check_against_oracle(BACKENDS["cpu"], args, atol=1e-5)
+        except AssertionError as e:
+            raise AssertionError(f"scenario {name!r}: {e}") from None
+
+
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 3, 64), (1, 8, 128)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["f32", "f16"])
 def test_cpu_kernel_large_steps_on_the_pool(dtype, num_kv_heads, group, head_dim):

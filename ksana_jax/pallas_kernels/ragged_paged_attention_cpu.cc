@@ -326,6 +326,10 @@ void attend(const Problem& pb, const Item& item) {
   float* keys = acc + kMaxQueries * H;                 // [kTile, H]
   float* values = keys + kTile * H + kLanePad;         // [kTile, H]
   float* keys_t = values + kTile * H + kLanePad;       // [H, kTile]
+  // The tile's keys and values as phase 2 and 3 read them: in a float32 page itself where
+  // the tile is one run of it (no copy), else in the scratch above.
+  const float* tile_keys = keys;
+  const float* tile_values = values;
   float running_max[kMaxQueries], denominator[kMaxQueries];
   int32_t query_pos[kMaxQueries], query_lo[kMaxQueries];  // sees positions lo .. pos
 
@@ -361,6 +365,17 @@ void attend(const Problem& pb, const Item& item) {
     for (int j = 0; j < n; ++j)
       load_row(pb.new_kind, base + (((token + j) * K + item.kv_head) * H) * pb.new_itemsize,
                dst + j * H, H);
+  };
+
+  // Where positions [pos, pos + n) of the keys (which 0) or values (1) lie in a float32
+  // page without scales, all in one page: their rows there (stride H), else null.
+  auto in_page = [&](int32_t pos, int n, int which) -> const float* {
+    if (pb.kind != Kind::kF32 || pb.scales != nullptr || pos + n > num_cached) return nullptr;
+    if (pos / pb.page_size != (pos + n - 1) / pb.page_size) return nullptr;
+    const int64_t page = table[pos / pb.page_size];
+    const int64_t base = which ? values_base : keys_base;
+    const int64_t row = page * pb.page_size + pos % pb.page_size;
+    return reinterpret_cast<const float*>(pb.kv) + base + row * H;
   };
 
   // Positions of the tile that query i sees: [from, to), empty when from >= to.
@@ -423,11 +438,12 @@ void attend(const Problem& pb, const Item& item) {
     if (lo_j >= hi_j) return;  // no query of the block sees this tile
     float* block_acc = acc + static_cast<int64_t>(first) * H;
     switch (rows) {  // a register tile of the block's own rows (a GQA group of 3: no 4th)
-      case 1: return accumulate<kHeadDim, 1>(block_acc, 1, H, values, p, rescale, lo_j, hi_j);
-      case 2: return accumulate<kHeadDim, 2>(block_acc, 2, H, values, p, rescale, lo_j, hi_j);
-      case 3: return accumulate<kHeadDim, 3>(block_acc, 3, H, values, p, rescale, lo_j, hi_j);
+      case 1: return accumulate<kHeadDim, 1>(block_acc, 1, H, tile_values, p, rescale, lo_j, hi_j);
+      case 2: return accumulate<kHeadDim, 2>(block_acc, 2, H, tile_values, p, rescale, lo_j, hi_j);
+      case 3: return accumulate<kHeadDim, 3>(block_acc, 3, H, tile_values, p, rescale, lo_j, hi_j);
       default:
-        return accumulate<kHeadDim, kPvRows>(block_acc, rows, H, values, p, rescale, lo_j, hi_j);
+        return accumulate<kHeadDim, kPvRows>(block_acc, rows, H, tile_values, p, rescale, lo_j,
+                                             hi_j);
     }
   };
 
@@ -438,8 +454,12 @@ void attend(const Problem& pb, const Item& item) {
   const bool transposed = num_queries >= kTransposeFrom;
   for (int32_t tile_start = item.lo; tile_start <= last; tile_start += kTile) {
     const int width = std::min<int32_t>(kTile, last + 1 - tile_start);
-    // Phase 1: this tile's keys and values, in float32.
-    for (int j = 0; j < width;) {  // runs of a page (or of new tokens)
+    // Phase 1: this tile's keys and values, in float32: read where they are when the tile
+    // is one run of a float32 page, else copied (converted) into the scratch.
+    tile_keys = in_page(tile_start, width, 0);
+    tile_values = in_page(tile_start, width, 1);
+    if (tile_keys == nullptr) tile_keys = keys, tile_values = values;
+    for (int j = 0; j < width && tile_keys == keys;) {  // runs of a page (or of new tokens)
       const int32_t pos = tile_start + j;
       const int n = pos < num_cached
                         ? std::min({width - j, num_cached - pos,
@@ -452,7 +472,8 @@ void attend(const Problem& pb, const Item& item) {
     // Phase 2: scores, kPvRows queries at a time, then phase 3: absorb them.
     if (transposed) {
       for (int j = 0; j < kTile; ++j) {
-        for (int64_t h = 0; h < H; ++h) keys_t[h * kTile + j] = j < width ? keys[j * H + h] : 0.0f;
+        for (int64_t h = 0; h < H; ++h)
+          keys_t[h * kTile + j] = j < width ? tile_keys[j * H + h] : 0.0f;
       }
     }
     for (int block = 0; block < num_queries; block += kPvRows) {
@@ -474,12 +495,12 @@ void attend(const Problem& pb, const Item& item) {
           const float* qi = queries + (block + r) * H;
 #if defined(__AVX512F__)
           if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // every key; absorb masks
-            _mm512_store_ps(scores[r], tile_scores<kHeadDim>(qi, keys, width));
+            _mm512_store_ps(scores[r], tile_scores<kHeadDim>(qi, tile_keys, width));
             continue;
           }
 #endif
           for (int j = from; j < to; ++j) {
-            const float* kj = keys + j * H;
+            const float* kj = tile_keys + j * H;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t h = 0; h < H; ++h) dot += qi[h] * kj[h];
@@ -501,6 +522,7 @@ void attend(const Problem& pb, const Item& item) {
 
 void attend_any(const Problem& pb, const Item& item) {
   switch (pb.head_dim) {
+    case 32: return attend<32>(pb, item);
     case 64: return attend<64>(pb, item);
     case 128: return attend<128>(pb, item);
     default: return attend<0>(pb, item);
