@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not linear_cpu.available(), reason="no C++ compi
 FLOAT_SHAPES = [(1, 1), (7, 13), (5, 100), (33, 576), (130, 1100), (64, 1536)]
 GROUPED_SHAPES = [(1, 32), (7, 96), (33, 576), (130, 1056), (13, 1536)]  # I % 32 == 0
 G64_SHAPES = [(1, 64), (7, 128), (33, 576), (130, 1088)]  # I % 64 == 0
-ROWS = [1, 2, 3, 5, 8, 16, 33]  # register tiles of 4 rows: none, one, several, with tails
+ROWS = [1, 2, 3, 5, 8, 16, 33, 64]  # register tiles of 4 rows (AMX: 16): with tails
 
 
 def weight(rng: np.random.Generator, fmt: str, out: int, inp: int):
@@ -263,6 +263,24 @@ def test_a_rows_sums_do_not_depend_on_the_calls_rows(fmt):
                 alone = np.concatenate([kernel(x[r : r + 1], w) for r in range(8)])
                 for rows in (2, 3, 5, 8):
                     np.testing.assert_array_equal(kernel(x[:rows], w), alone[:rows])
+
+
+def test_bfloat16_rows_past_eight_do_not_depend_on_the_calls_rows():
+    """bfloat16 at 9-64 rows (AMX tiles of 16 rows where the CPU has them, 16 weight rows a
+    tile, the other paths for the rest): each row of a call is the same numbers whatever
+    rows the call has beside it, on the caller and shared over the pool."""
+    rng = np.random.default_rng(6)
+    for out, inp in [(130, 576), (64, 1536), (40, 96)]:
+        w = weight(rng, "bfloat16", out, inp)
+        x = jnp.asarray(rng.standard_normal((64, inp)), jnp.float32)
+        for parallel_bytes in (linear_cpu.PARALLEL_BYTES, 0):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(linear_cpu, "PARALLEL_BYTES", parallel_bytes)
+                kernel = jax.jit(lambda x, w: linear_cpu.linear(x, w))  # traced anew
+                full = np.asarray(kernel(x, w))
+                for rows in (9, 16, 17, 33, 48):
+                    np.testing.assert_array_equal(kernel(x[:rows], w), full[:rows])
+                np.testing.assert_array_equal(kernel(x[40:49], w), full[40:49])
 
 
 def test_layers_linear_is_one_call_at_few_rows_only():

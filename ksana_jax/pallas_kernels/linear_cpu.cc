@@ -19,7 +19,8 @@
 // registers), prefetching the bytes after the block in address order (Ahead). A CPU with
 // AVX2 but not AVX512-BF16 has its own direct paths for bfloat16, for int8 / int4 by
 // integer dots and, without them, for int8 / int4 dequantized in registers at up to
-// kRowTile rows (linear_cpu_avx2.h). Otherwise (more rows without integer dots, or neither)
+// kRowTile rows (linear_cpu_avx2.h). bfloat16 past kAmxFromRows rows on a CPU with AMX runs
+// on its tiles (run_rows_amx). Otherwise (more rows without integer dots, or neither)
 // each block goes kChunk columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
 //            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;
@@ -38,6 +39,11 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "cpu_pool.h"
 #include "linear_cpu_common.h"
@@ -222,6 +228,112 @@ void block_f32(const Problem&, int64_t, int64_t, float*) {}
 
 
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// bfloat16 weights on AMX tiles, past kAmxFromRows rows of x: XLA's dot reaches AMX through
+// YNNPACK, which repacks every weight into the tiles' pair layout on every call (a transpose
+// of the whole matrix: 42% of a 32-row SmolLM2 decode step's CPU time on a 2-core Xeon, the
+// product itself 15%). Here the weight is the tiles' left operand as it lies: 16 of its rows
+// x 32 columns, rows row_bytes apart, are a tile as they are; x is the right operand, put
+// in pair layout once a call (Linear: x_amx). Tile g (of up to 4) sums C[n][m] = w[o + n] .
+// x[16 g + m] over the columns, 32 at a time (tile 4: w, tile 5: x), in the same order at any
+// row count: a position's sums do not depend on how many rows its step has.
+constexpr bool kAmx = true;
+constexpr int64_t kAmxFromRows = 8;
+
+// The process may use AMX's tile state (Linux asks for it once: ARCH_REQ_XCOMP_PERM).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 0, start_row = 0, reserved[14] = {};
+  uint16_t bytes[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline bool amx_rows(const Problem& pb) { return pb.x_amx != nullptr; }
+
+// Weight rows [o, o + 16) for G tiles of x rows: C tiles 0 .. G - 1, stored to c.
+template <int G>
+void amx_block(const Problem& pb, int64_t o, float (*c)[16][16]) {
+  _tile_zero(0);
+  if constexpr (G > 1) _tile_zero(1);
+  if constexpr (G > 2) _tile_zero(2);
+  if constexpr (G > 3) _tile_zero(3);
+  const char* w = pb.w + o * pb.row_bytes;
+  const uint16_t* x = pb.x_amx;
+  const int64_t tile = 16 * 32;  // uint16 of a tile of x
+  for (int64_t k = 0; k < pb.in; k += 32, x += pb.x_amx_groups * tile) {
+    for (int n = 0; n < 16; ++n) _mm_prefetch(w + n * pb.row_bytes + 2 * k + 512, _MM_HINT_T0);
+    _tile_loadd(4, w + 2 * k, pb.row_bytes);
+    _tile_loadd(5, x, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (G > 1) { _tile_loadd(5, x + tile, 64); _tile_dpbf16ps(1, 4, 5); }
+    if constexpr (G > 2) { _tile_loadd(5, x + 2 * tile, 64); _tile_dpbf16ps(2, 4, 5); }
+    if constexpr (G > 3) { _tile_loadd(5, x + 3 * tile, 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+  _tile_stored(0, c[0], 64);
+  if constexpr (G > 1) _tile_stored(1, c[1], 64);
+  if constexpr (G > 2) _tile_stored(2, c[2], 64);
+  if constexpr (G > 3) _tile_stored(3, c[3], 64);
+}
+
+// Weight rows from o_begin in whole 16s up to o_end on AMX tiles, results (plus the
+// residual) to y; returns where it stopped (the rows after it take the other paths). The
+// thread's tile configuration is put back after (XLA's own AMX kernels may run here).
+int64_t run_rows_amx(const Problem& pb, int64_t o_begin, int64_t o_end) {
+  TileConfig saved, config;
+  _tile_storeconfig(&saved);
+  config.palette = 1;
+  for (int t = 0; t < 6; ++t) config.bytes[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+  alignas(64) float c[4][16][16];
+  int64_t o = o_begin;
+  for (; o + 16 <= o_end; o += 16) {
+    switch (pb.x_amx_groups) {
+      case 1: amx_block<1>(pb, o, c); break;
+      case 2: amx_block<2>(pb, o, c); break;
+      case 3: amx_block<3>(pb, o, c); break;
+      default: amx_block<4>(pb, o, c); break;
+    }
+    for (int64_t r = 0; r < pb.rows; ++r)
+      for (int n = 0; n < 16; ++n) {
+        const int64_t i = r * pb.out + o + n;
+        const float v = c[r / 16][n][r % 16];
+        pb.y[i] = pb.residual ? pb.residual[i] + v : v;
+      }
+  }
+  if (saved.palette != 0) _tile_loadconfig(&saved);
+  else _tile_release();
+  return o;
+}
+
+// x [R, x_bf16_stride] bfloat16 into the tiles' pair layout (Problem::x_amx), zero rows up
+// to whole 16s.
+void pack_x_amx(const Problem& pb, std::vector<uint16_t>& out) {
+  const int64_t groups = (pb.rows + 15) / 16, blocks = pb.in / 32;
+  out.assign(blocks * groups * 16 * 32, 0);
+  for (int64_t kb = 0; kb < blocks; ++kb)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t pair = 0; pair < 16; ++pair)
+        for (int64_t m = 0; m < 16 && g * 16 + m < pb.rows; ++m)
+          for (int64_t p = 0; p < 2; ++p)
+            out[(((kb * groups + g) * 16 + pair) * 16 + m) * 2 + p] =
+                pb.x_bf16[(g * 16 + m) * pb.x_bf16_stride + kb * 32 + 2 * pair + p];
+}
+#else
+constexpr bool kAmx = false;
+constexpr int64_t kAmxFromRows = 0;
+inline bool amx_permitted() { return false; }
+inline bool amx_rows(const Problem&) { return false; }
+inline int64_t run_rows_amx(const Problem&, int64_t o_begin, int64_t) { return o_begin; }
+inline void pack_x_amx(const Problem&, std::vector<uint16_t>&) {}
+#endif
+
 // Whether the block takes the direct path of its kind (no dequantized scratch).
 inline bool direct(const Problem& pb) {
   switch (pb.kind) {
@@ -246,6 +358,7 @@ void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
   static thread_local std::vector<float> acc;
   acc.resize(pb.rows * kOutBlock);
   const int64_t full = pb.rows - pb.rows % kRowTile;
+  if (amx_rows(pb)) o_begin = run_rows_amx(pb, o_begin, o_end);
   for (int64_t o = o_begin; o < o_end; o += kOutBlock) {
     const int64_t block = std::min<int64_t>(kOutBlock, o_end - o);
     std::fill(acc.begin(), acc.end(), 0.0f);
@@ -386,6 +499,7 @@ struct Scratch {
   std::vector<int32_t> vector_group;
   std::vector<float> gated, normed, padded, x_sum, x_scale, x8_lanes, x_offset;
   std::vector<uint16_t> x_bf16;
+  std::vector<uint16_t> x_amx;
   std::vector<int8_t> x8;
 };
 
@@ -514,6 +628,12 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     for (int64_t r = 0; r < pb.rows; ++r)
       to_bf16(x_in + r * pb.in, pb.in, x_bf16.data() + r * pb.x_bf16_stride);
     pb.x_bf16 = x_bf16.data();
+    if (kAmx && pb.kind == Kind::kBF16 && pb.rows > kAmxFromRows && pb.in % 32 == 0 &&
+        pb.rows <= 64 && amx_permitted()) {
+      pack_x_amx(pb, scratch.x_amx);
+      pb.x_amx = scratch.x_amx.data();
+      pb.x_amx_groups = (pb.rows + 15) / 16;
+    }
   } else if (pb.in % (2 * kLanes) == 0 && !round_x) {
     pb.x = x_in;
     pb.x_stride = pb.in;

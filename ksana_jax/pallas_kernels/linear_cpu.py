@@ -81,10 +81,14 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 
 # Rows up to which `layers.linear` takes the kernel, by weight format: beyond them XLA's
 # dot was as fast or faster (benchmarks/linear_cpu.py for single products; the engine's
-# tokens/s at each row count, SmolLM2 decode, for bfloat16). bfloat16 depends on the CPU:
-# where it has AMX, XLA's dot runs on its tiles, which the kernel's vdpbf16ps cannot match
-# past a few rows (2-core Xeon with AMX, 2026-12-02, the engine: the kernel decoded 1.10x
-# XLA's tokens/s at 8 rows, 0.84x at 16, 0.67x at 32, 0.49-0.52x at 64); without AMX (Zen 5,
+# tokens/s at each row count, SmolLM2 decode, for bfloat16). bfloat16 where the CPU has AMX:
+# past 8 rows the kernel runs on AMX tiles too (linear_cpu.cc, run_rows_amx), reading the
+# weight as it lies, where XLA's dot repacked every weight on every call (2-core Xeon with
+# AMX, 2026-12-06, 30 products [1536, 576]: 2.0-6.2 ms against XLA's 10.5-20.8 at 9-64 rows;
+# the engine, SmolLM2 bfloat16 decode, async off: 32 rows 33 ms a step against 44, 64 rows
+# 55-57 against 60-64); with vdpbf16ps alone it could not match XLA's AMX past a few rows
+# (2026-12-02: 1.10x XLA's tokens/s at 8 rows, 0.84x at 16, 0.67x at 32, 0.49-0.52x at 64),
+# so it stopped at 8 then. Without AMX (Zen 5,
 # AVX-512 BF16) the kernel was ahead up to 64 rows (1.12-1.28x at 32, 1.02-1.11x at 64); with
 # AVX2 alone (Zen 3, 2026-12-03, benchmarks/quant.py): 1.42x at 16 rows, 0.87-1.07x at 32,
 # 0.82x at 64 (there int4 by integer dots was 1.04x XLA's, and at 16 rows int8 1.9x, int4 3.3x).
@@ -111,7 +115,7 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 # at their MAX_ROWS (no test compares their samples exactly).
 MAX_ROWS = {
     "float32": 0,
-    "bfloat16": 8 if cpu_has_amx() else 64 if direct_isa() == "avx512" else 16,
+    "bfloat16": 64 if cpu_has_amx() or direct_isa() == "avx512" else 16,
     "int8": 8,
     "int8_integer_dots": 32,
     "int4": 16,

@@ -214,6 +214,11 @@ struct Problem {
   // group) [R, 8 x_sum_stride], and per row the sum of x_sum (-128 sum(step q))
   const float* x8_lanes;
   const float* x_offset;
+  // bfloat16 weights on AMX (linear_cpu.cc, amx_rows): x in the tiles' pair layout, per 32
+  // columns per 16 rows of x a 16 x 32 tile [column pair][x row][2]; x_amx_groups = R / 16
+  // rounded up; null where the call does not take AMX tiles
+  const uint16_t* x_amx;
+  int64_t x_amx_groups;
   float* y;        // [R, O]
   const float* residual;  // [R, O], added to y, or null
 };
