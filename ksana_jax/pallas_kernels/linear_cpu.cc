@@ -257,29 +257,66 @@ struct alignas(64) TileConfig {
 
 inline bool amx_rows(const Problem& pb) { return pb.x_amx != nullptr; }
 
-// Weight rows [o, o + 16) for G tiles of x rows: C tiles 0 .. G - 1, stored to c.
-template <int G>
-void amx_block(const Problem& pb, int64_t o, float (*c)[16][16]) {
+// r[i] element j -> r[j] element i, for 16 x 16 32-bit values (bit-exact shuffles).
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto pd = [](__m512 v) { return _mm512_castps_pd(v); };
+  for (int i = 0; i < 4; ++i) {  // r[4i + c], 128-bit lane l: column 4l + c, rows 4i .. 4i + 3
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
+// Weight rows [o, o + 16 NB) by x row tiles [g0, g0 + G) (NB, G: 1 or 2): tile 2 b + g sums
+// weight block b against x tile g0 + g (tiles 4, 5: the weight blocks; 6, 7: x's), stored to
+// c[2 b + g]. Each tile a column step loads goes to two products, and no load waits for a
+// product still reading its tile. The first pass over a block (g0 0) prefetches the next
+// 16 NB weight rows, one run of 32 NB row_bytes a column step, in address order (a prefetch
+// past W's end is dropped: it does not fault).
+template <int NB, int G>
+void amx_tiles(const Problem& pb, int64_t o, int64_t g0, float (*c)[16][16]) {
   _tile_zero(0);
   if constexpr (G > 1) _tile_zero(1);
-  if constexpr (G > 2) _tile_zero(2);
-  if constexpr (G > 3) _tile_zero(3);
+  if constexpr (NB > 1) _tile_zero(2);
+  if constexpr (NB > 1 && G > 1) _tile_zero(3);
   const char* w = pb.w + o * pb.row_bytes;
-  const uint16_t* x = pb.x_amx;
+  const int64_t block_bytes = 16 * pb.row_bytes;
+  const char* next = g0 == 0 ? w + NB * block_bytes : nullptr;
   const int64_t tile = 16 * 32;  // uint16 of a tile of x
+  const uint16_t* x = pb.x_amx + g0 * tile;
   for (int64_t k = 0; k < pb.in; k += 32, x += pb.x_amx_groups * tile) {
-    for (int n = 0; n < 16; ++n) _mm_prefetch(w + n * pb.row_bytes + 2 * k + 512, _MM_HINT_T0);
+    if (next != nullptr) {
+      for (int line = 0; line < 16 * NB; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+      next += 1024 * NB;
+    }
     _tile_loadd(4, w + 2 * k, pb.row_bytes);
-    _tile_loadd(5, x, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (G > 1) { _tile_loadd(5, x + tile, 64); _tile_dpbf16ps(1, 4, 5); }
-    if constexpr (G > 2) { _tile_loadd(5, x + 2 * tile, 64); _tile_dpbf16ps(2, 4, 5); }
-    if constexpr (G > 3) { _tile_loadd(5, x + 3 * tile, 64); _tile_dpbf16ps(3, 4, 5); }
+    if constexpr (NB > 1) _tile_loadd(5, w + block_bytes + 2 * k, pb.row_bytes);
+    _tile_loadd(6, x, 64);
+    if constexpr (G > 1) _tile_loadd(7, x + tile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (G > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NB > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NB > 1 && G > 1) _tile_dpbf16ps(3, 5, 7);
   }
   _tile_stored(0, c[0], 64);
   if constexpr (G > 1) _tile_stored(1, c[1], 64);
-  if constexpr (G > 2) _tile_stored(2, c[2], 64);
-  if constexpr (G > 3) _tile_stored(3, c[3], 64);
+  if constexpr (NB > 1) _tile_stored(2, c[2], 64);
+  if constexpr (NB > 1 && G > 1) _tile_stored(3, c[3], 64);
 }
 
 // Weight rows from o_begin in whole 16s up to o_end on AMX tiles, results (plus the
@@ -289,23 +326,31 @@ int64_t run_rows_amx(const Problem& pb, int64_t o_begin, int64_t o_end) {
   TileConfig saved, config;
   _tile_storeconfig(&saved);
   config.palette = 1;
-  for (int t = 0; t < 6; ++t) config.bytes[t] = 64, config.rows[t] = 16;
+  for (int t = 0; t < 8; ++t) config.bytes[t] = 64, config.rows[t] = 16;
   _tile_loadconfig(&config);
   alignas(64) float c[4][16][16];
   int64_t o = o_begin;
-  for (; o + 16 <= o_end; o += 16) {
-    switch (pb.x_amx_groups) {
-      case 1: amx_block<1>(pb, o, c); break;
-      case 2: amx_block<2>(pb, o, c); break;
-      case 3: amx_block<3>(pb, o, c); break;
-      default: amx_block<4>(pb, o, c); break;
+  while (o + 16 <= o_end) {
+    const int nb = o + 32 <= o_end ? 2 : 1;
+    for (int64_t g0 = 0; g0 < pb.x_amx_groups; g0 += 2) {
+      const bool two = g0 + 1 < pb.x_amx_groups;
+      if (nb == 2) two ? amx_tiles<2, 2>(pb, o, g0, c) : amx_tiles<2, 1>(pb, o, g0, c);
+      else two ? amx_tiles<1, 2>(pb, o, g0, c) : amx_tiles<1, 1>(pb, o, g0, c);
+      // Tile 2 b + g holds [weight row][x row]: transposed, its row m is y's row
+      // 16 (g0 + g) + m at columns o + 16 b.
+      for (int b = 0; b < nb; ++b)
+        for (int g = 0; g < (two ? 2 : 1); ++g) {
+          __m512 v[16];
+          for (int n = 0; n < 16; ++n) v[n] = _mm512_load_ps(c[2 * b + g][n]);
+          transpose16(v);
+          for (int64_t m = 0, r = 16 * (g0 + g); m < 16 && r < pb.rows; ++m, ++r) {
+            const int64_t i = r * pb.out + o + 16 * b;
+            if (pb.residual) v[m] = _mm512_add_ps(_mm512_loadu_ps(pb.residual + i), v[m]);
+            _mm512_storeu_ps(pb.y + i, v[m]);
+          }
+        }
     }
-    for (int64_t r = 0; r < pb.rows; ++r)
-      for (int n = 0; n < 16; ++n) {
-        const int64_t i = r * pb.out + o + n;
-        const float v = c[r / 16][n][r % 16];
-        pb.y[i] = pb.residual ? pb.residual[i] + v : v;
-      }
+    o += 16 * nb;
   }
   if (saved.palette != 0) _tile_loadconfig(&saved);
   else _tile_release();
@@ -314,20 +359,24 @@ int64_t run_rows_amx(const Problem& pb, int64_t o_begin, int64_t o_end) {
 
 // x [R, x_bf16_stride] bfloat16 into the tiles' pair layout (Problem::x_amx), zero rows up
 // to whole 16s.
+// A tile is x's 16 rows x 16 column pairs (32-bit units) transposed.
 void pack_x_amx(const Problem& pb, std::vector<uint16_t>& out) {
   const int64_t groups = (pb.rows + 15) / 16, blocks = pb.in / 32;
-  out.assign(blocks * groups * 16 * 32, 0);
+  out.resize(blocks * groups * 16 * 32);
   for (int64_t kb = 0; kb < blocks; ++kb)
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t pair = 0; pair < 16; ++pair)
-        for (int64_t m = 0; m < 16 && g * 16 + m < pb.rows; ++m)
-          for (int64_t p = 0; p < 2; ++p)
-            out[(((kb * groups + g) * 16 + pair) * 16 + m) * 2 + p] =
-                pb.x_bf16[(g * 16 + m) * pb.x_bf16_stride + kb * 32 + 2 * pair + p];
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 v[16];
+      for (int64_t m = 0, r = 16 * g; m < 16; ++m, ++r)
+        v[m] = r < pb.rows ? _mm512_loadu_ps(pb.x_bf16 + r * pb.x_bf16_stride + kb * 32)
+                           : _mm512_setzero_ps();
+      transpose16(v);
+      uint16_t* tile = out.data() + (kb * groups + g) * 16 * 32;
+      for (int pair = 0; pair < 16; ++pair) _mm512_storeu_ps(tile + pair * 32, v[pair]);
+    }
 }
 #else
 constexpr bool kAmx = false;
-constexpr int64_t kAmxFromRows = 0;
+constexpr int64_t kAmxFromRows = 8;
 inline bool amx_permitted() { return false; }
 inline bool amx_rows(const Problem&) { return false; }
 inline int64_t run_rows_amx(const Problem&, int64_t o_begin, int64_t) { return o_begin; }

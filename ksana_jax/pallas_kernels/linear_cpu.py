@@ -84,9 +84,9 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 # tokens/s at each row count, SmolLM2 decode, for bfloat16). bfloat16 where the CPU has AMX:
 # past 8 rows the kernel runs on AMX tiles too (linear_cpu.cc, run_rows_amx), reading the
 # weight as it lies, where XLA's dot repacked every weight on every call (2-core Xeon with
-# AMX, 2026-12-06, 30 products [1536, 576]: 2.0-6.2 ms against XLA's 10.5-20.8 at 9-64 rows;
-# the engine, SmolLM2 bfloat16 decode, async off: 32 rows 33 ms a step against 44, 64 rows
-# 55-57 against 60-64); with vdpbf16ps alone it could not match XLA's AMX past a few rows
+# AMX, 2026-12-06, a program of 30 products [1536, 576]: 1.7-4.4 ms against XLA's 10.8-20.7
+# at 9-64 rows; host_overhead.py, SmolLM2 bfloat16: 1,115 tok/s at 32 rows against 735,
+# 1,348 at 64 against 1,122); with vdpbf16ps alone it could not match XLA's AMX past a few rows
 # (2026-12-02: 1.10x XLA's tokens/s at 8 rows, 0.84x at 16, 0.67x at 32, 0.49-0.52x at 64),
 # so it stopped at 8 then. Without AMX (Zen 5,
 # AVX-512 BF16) the kernel was ahead up to 64 rows (1.12-1.28x at 32, 1.02-1.11x at 64); with
