@@ -234,9 +234,9 @@ void block_f32(const Problem&, int64_t, int64_t, float*) {}
 // of the whole matrix: 42% of a 32-row SmolLM2 decode step's CPU time on a 2-core Xeon, the
 // product itself 15%). Here the weight is the tiles' left operand as it lies: 16 of its rows
 // x 32 columns, rows row_bytes apart, are a tile as they are; x is the right operand, put
-// in pair layout once a call (Linear: x_amx). Tile g (of up to 4) sums C[n][m] = w[o + n] .
-// x[16 g + m] over the columns, 32 at a time (tile 4: w, tile 5: x), in the same order at any
-// row count: a position's sums do not depend on how many rows its step has.
+// in pair layout once a call (Linear: x_amx). A result tile sums C[n][m] = w[o + n] .
+// x[16 g + m] over the columns, 32 at a time, in the same order at any row count: a
+// position's sums do not depend on how many rows its step has (amx_tiles).
 constexpr bool kAmx = true;
 constexpr int64_t kAmxFromRows = 8;
 
@@ -358,8 +358,7 @@ int64_t run_rows_amx(const Problem& pb, int64_t o_begin, int64_t o_end) {
 }
 
 // x [R, x_bf16_stride] bfloat16 into the tiles' pair layout (Problem::x_amx), zero rows up
-// to whole 16s.
-// A tile is x's 16 rows x 16 column pairs (32-bit units) transposed.
+// to whole 16s: a tile is 16 of x's rows x 16 column pairs (32-bit units), transposed.
 void pack_x_amx(const Problem& pb, std::vector<uint16_t>& out) {
   const int64_t groups = (pb.rows + 15) / 16, blocks = pb.in / 32;
   out.resize(blocks * groups * 16 * 32);
