@@ -237,7 +237,6 @@ void block_f32(const Problem&, int64_t, int64_t, float*) {}
 // in pair layout once a call (Linear: x_amx). A result tile sums C[n][m] = w[o + n] .
 // x[16 g + m] over the columns, 32 at a time, in the same order at any row count: a
 // position's sums do not depend on how many rows its step has (amx_tiles).
-constexpr bool kAmx = true;
 constexpr int64_t kAmxFromRows = 8;
 
 // The process may use AMX's tile state (Linux asks for it once: ARCH_REQ_XCOMP_PERM).
@@ -374,7 +373,6 @@ void pack_x_amx(const Problem& pb, std::vector<uint16_t>& out) {
     }
 }
 #else
-constexpr bool kAmx = false;
 constexpr int64_t kAmxFromRows = 8;
 inline bool amx_permitted() { return false; }
 inline bool amx_rows(const Problem&) { return false; }
@@ -676,8 +674,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     for (int64_t r = 0; r < pb.rows; ++r)
       to_bf16(x_in + r * pb.in, pb.in, x_bf16.data() + r * pb.x_bf16_stride);
     pb.x_bf16 = x_bf16.data();
-    if (kAmx && pb.kind == Kind::kBF16 && pb.rows > kAmxFromRows && pb.in % 32 == 0 &&
-        pb.rows <= 64 && amx_permitted()) {
+    if (pb.kind == Kind::kBF16 && pb.rows > kAmxFromRows && pb.rows <= 64 && pb.in % 32 == 0 &&
+        amx_permitted()) {
       pack_x_amx(pb, scratch.x_amx);
       pb.x_amx = scratch.x_amx.data();
       pb.x_amx_groups = (pb.rows + 15) / 16;

@@ -32,12 +32,6 @@ TARGET = "ksana_linear_cpu"
 _SYMBOL = "KsanaLinearCpu"
 
 
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX bfloat16 tiles (flag amx_bf16): XLA:CPU's bfloat16 dot
-    (YNNPACK) multiplies on them."""
-    return "amx_bf16" in cpu_build.cpu_flags()
-
-
 def direct_isa() -> str | None:
     """Which of the kernel's direct paths this CPU builds (linear_cpu_common.h decides the same
     from the compiler's -march=native): "avx512" (AVX512-BF16: vdpbf16ps, and VNNI's vpdpbusd
@@ -115,7 +109,7 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 # at their MAX_ROWS (no test compares their samples exactly).
 MAX_ROWS = {
     "float32": 0,
-    "bfloat16": 64 if cpu_has_amx() or direct_isa() == "avx512" else 16,
+    "bfloat16": 64 if direct_isa() == "avx512" else 16,  # CPUs with AMX have AVX512-BF16
     "int8": 8,
     "int8_integer_dots": 32,
     "int4": 16,
