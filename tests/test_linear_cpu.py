@@ -283,6 +283,42 @@ def test_bfloat16_rows_past_eight_do_not_depend_on_the_calls_rows():
                 np.testing.assert_array_equal(kernel(x[40:49], w), full[40:49])
 
 
+def test_float32_rows_sums_do_not_depend_on_the_calls_rows():
+    """float32 at any rows (run_rows_f32: one multiply-add a column, in order, past 64 rows a
+    few columns at a time and 256 rows at a time): each row of a call is the same numbers
+    whatever rows the call has beside it, on the caller and shared over the pool, and the
+    product is the float64 one's within float32 rounding."""
+    rng = np.random.default_rng(7)
+    for out, inp in [(130, 576), (37, 100), (64, 128)]:
+        w = weight(rng, "float32", out, inp)
+        x = jnp.asarray(rng.standard_normal((300, inp)), jnp.float32)
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        for parallel_bytes in (linear_cpu.PARALLEL_BYTES, 0):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(linear_cpu, "PARALLEL_BYTES", parallel_bytes)
+                kernel = jax.jit(lambda x, w: linear_cpu.linear(x, w))  # traced anew
+                full = np.asarray(kernel(x, w))
+                np.testing.assert_allclose(full, want, atol=1e-6 * np.sqrt(inp) * 4, rtol=0)
+                for rows in (1, 2, 17, 64, 65, 257):
+                    np.testing.assert_array_equal(kernel(x[:rows], w), full[:rows])
+                np.testing.assert_array_equal(kernel(x[250:270], w), full[250:270])
+
+
+def test_layers_linear_takes_float32_from_two_rows():
+    """float32 products go to the kernel from MIN_ROWS (2) rows up where the CPU has AVX-512
+    (MAX_ROWS), and stay on XLA's dot at one row; `rows_taken` leaves them out (no 1-token
+    step is compiled for them)."""
+    rng = np.random.default_rng(8)
+    w = weight(rng, "float32", 33, 96)
+    most = linear_cpu.max_rows(w)
+    assert linear_cpu.rows_taken({"w": w}) == 0
+    for rows in (1, 2, 300):
+        x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
+        hlo = jax.jit(layers.linear).lower(x, w).as_text()
+        assert (linear_cpu.TARGET in hlo) == (2 <= rows <= most), rows
+        np.testing.assert_allclose(jax.jit(layers.linear)(x, w), reference(x, w), atol=1e-4)
+
+
 def test_layers_linear_is_one_call_at_few_rows_only():
     """`layers.linear` lowers to ONE custom call for a fused q/k/v weight at few rows, to none
     past MAX_ROWS or with KSANA_JAX_CPU_LINEAR=0 (`ENABLED`), and its result is the same each

@@ -83,7 +83,14 @@ class SpinPool {
       wake_.notify_all();
     }
     work(g);
-    while (finished_.load(std::memory_order_acquire) != n) cpu_relax();
+    // Every item is claimed: wait for those still running, yielding between looks. A pool
+    // thread the scheduler set aside for another (the engine's host thread, overlapping the
+    // step with async scheduling) may hold the last item (a float32 product's run for
+    // milliseconds): it can then have this core, not wait out this thread's time slice.
+    for (int i = 1; finished_.load(std::memory_order_acquire) != n; ++i) {
+      cpu_relax();
+      if (i % 64 == 0) sched_yield();
+    }
     return true;
   }
 

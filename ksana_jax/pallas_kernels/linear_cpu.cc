@@ -11,7 +11,7 @@
 // Work items: disjoint ranges of weight rows (output features), spread over XLA's intra-op
 // thread pool for a large W (parallel_bytes), so every core streams its own part of W, each
 // weight byte read once. An item walks its rows kOutBlock at a time. The direct paths --
-// bfloat16 (vdpbf16ps), float32 (FMA), int8 and int4 in a bfloat16 product at any rows by
+// bfloat16 (vdpbf16ps), int8 and int4 in a bfloat16 product at any rows by
 // integer dots where the CPU has AVX512-VNNI (x as 8-bit integers per group of 32 columns
 // against int8's bytes plus 128, tile_dot_int8_vnni, or int4's 4-bit values, the scales and
 // minimums applied per group after the dot, tile_dot_int4_vnni), and int8 / int4 otherwise
@@ -20,8 +20,9 @@
 // AVX2 but not AVX512-BF16 has its own direct paths for bfloat16, for int8 / int4 by
 // integer dots and, without them, for int8 / int4 dequantized in registers at up to
 // kRowTile rows (linear_cpu_avx2.h). bfloat16 past kAmxFromRows rows on a CPU with AMX runs
-// on its tiles (run_rows_amx). Otherwise (more rows without integer dots, or neither)
-// each block goes kChunk columns at a time:
+// on its tiles (run_rows_amx). float32 with AVX-512 has a path of its own at any rows
+// (run_rows_f32: one multiply-add a column, in order). Otherwise (more rows without
+// integer dots, or neither) each block goes kChunk columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
 //            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;
 //   phase 2  for every kRowTile of x's rows (read from L1 / L2), a register tile of
@@ -189,44 +190,159 @@ void block_bf16(const Problem&, int64_t, int64_t, float*) {}
 #endif
 
 #if defined(__AVX512F__)
-constexpr bool kDirectF32 = true;
+constexpr bool kF32Path = true;
 
-// float32 weights: multiplied straight from the weight rows (a copy to the scratch would
-// cost more than the product at a few rows).
-template <int RT>
-void tile_dot_f32(const Problem& pb, int64_t r0, const float* const* w, float* acc) {
-  __m512 sums[RT][kOutBlock];
-  for (int r = 0; r < RT; ++r)
-    for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_setzero_ps();
-  const int64_t full = pb.in - pb.in % kLanes;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (pb.in % kLanes)) - 1);
-  Ahead ahead(w[0], pb.row_bytes, r0 == 0);
-  for (int64_t k = 0; k < pb.in; k += kLanes) {
-    __m512 wv[kOutBlock];
-    for (int j = 0; j < kOutBlock; ++j) {
-      ahead.step();
-      wv[j] = k < full ? _mm512_loadu_ps(w[j] + k) : _mm512_maskz_loadu_ps(tail, w[j] + k);
+// r[i] element j -> r[j] element i, for 16 x 16 32-bit values (bit-exact shuffles).
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto pd = [](__m512 v) { return _mm512_castps_pd(v); };
+  for (int i = 0; i < 4; ++i) {  // r[4i + c], 128-bit lane l: column 4l + c, rows 4i .. 4i + 3
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
     }
-    for (int r = 0; r < RT; ++r) {
-      const __m512 xv = _mm512_loadu_ps(pb.x + (r0 + r) * pb.x_stride + k);
-      for (int j = 0; j < kOutBlock; ++j) sums[r][j] = _mm512_fmadd_ps(xv, wv[j], sums[r][j]);
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
+// float32 weights, at 2+ rows (linear_cpu.py's MIN_ROWS): y[r][o] sums x[r][k] w[o][k] one
+// column at a time, a multiply-add each from zero, in column order -- so a row's sums do not
+// depend on the rows beside it (a position's logits do not depend on the step that computes
+// it), and they are XLA's own where its dot sums the same way (YNNPACK at I 128 and 2+ rows:
+// bit-equal). x's rows are the vector lanes (x transposed once a call, Problem::x_t) and
+// each weight element is broadcast as it lies, where XLA's dot repacked (transposed) every
+// weight on every call: 19% of the tiny float32 model's 64-row decode step (host_overhead.py).
+// Blocking: the weight goes by in panels of kF32Panel rows and x's rows kF32Rows at a time
+// (their part of x_t stays in L2). Up to 64 rows of x (decode) all columns go at once, each
+// 16-row block read from memory once (and from L2 for x's second 32 rows); past them,
+// kF32Depth columns at a time, so that the 32 or 64 rows of x_t a pass reads stay in L1, the
+// sums going on from where the last columns left them (c): their order does not change.
+// One column at a time, 512 rows of [576, 1536] took 2.5x XLA's time; by 128, 1.1-1.2x.
+constexpr int64_t kF32Panel = 64;
+constexpr int64_t kF32Depth = 128;
+constexpr int64_t kF32Rows = 256;
+
+// c[weight row - o][x row] (rows c_stride apart) for weight rows [o, o + 16) (past o_end:
+// the first's, not stored) and x rows [16 g, 16 (g + RV)): the sums of columns [k0, k1)
+// added to c's (to zeros at column 0), NB weight rows at a time (NB RV accumulators).
+// `ahead`: the next block's rows, prefetched in address order, one line a column of the first
+// NB rows (16 rows are I lines), or null.
+template <int NB, int RV>
+void f32_block(const Problem& pb, int64_t o, int64_t o_end, int64_t k0, int64_t k1, int64_t g,
+               float* c, int64_t c_stride, const char* ahead) {
+  const float* w0 = reinterpret_cast<const float*>(pb.w);
+  for (int s = 0; s < 16; s += NB) {
+    const float* w[NB];
+    for (int n = 0; n < NB; ++n) w[n] = w0 + (o + s + n < o_end ? o + s + n : o) * pb.in;
+    float* cs = c + s * c_stride;
+    __m512 acc[NB][RV];
+    for (int n = 0; n < NB; ++n)
+      for (int v = 0; v < RV; ++v)
+        acc[n][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(cs + n * c_stride + 16 * v);
+    const float* xt = pb.x_t + (g / 2 * pb.in + k0) * 32;
+    for (int64_t k = k0; k < k1; ++k, xt += 32) {
+      if (ahead != nullptr && s == 0) _mm_prefetch(ahead + 64 * k, _MM_HINT_T0);
+      __m512 xv[RV];
+      for (int v = 0; v < RV; ++v) xv[v] = _mm512_load_ps(xt + v / 2 * pb.in * 32 + v % 2 * 16);
+      for (int n = 0; n < NB; ++n) {
+        const __m512 wv = _mm512_set1_ps(w[n][k]);
+        for (int v = 0; v < RV; ++v) acc[n][v] = _mm512_fmadd_ps(wv, xv[v], acc[n][v]);
+      }
+    }
+    for (int n = 0; n < NB; ++n)
+      for (int v = 0; v < RV; ++v) _mm512_store_ps(cs + n * c_stride + 16 * v, acc[n][v]);
+  }
+}
+
+// Weight rows [o_begin, o_end) of a float32 product, results (plus the residual) to y: per
+// kF32Rows of x's rows (their part of x_t stays in L2), per panel, per kF32Depth columns.
+void run_rows_f32(const Problem& pb, int64_t o_begin, int64_t o_end) {
+  static thread_local std::vector<float> buffer;
+  const int64_t groups = (pb.rows + 15) / 16, depth = pb.rows <= 64 ? pb.in : kF32Depth;
+  constexpr int64_t stride = kF32Rows;  // of c: [weight row - panel start][x row - r0]
+  buffer.resize(kF32Panel * stride + 15);
+  float* c = buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) / 4 & 15);
+  for (int64_t g0 = 0; g0 < groups; g0 += kF32Rows / 16) {
+    const int64_t g_end = std::min(groups, g0 + kF32Rows / 16);
+    for (int64_t p = o_begin; p < o_end; p += kF32Panel) {
+      const int64_t p_end = std::min(o_end, p + kF32Panel);
+      for (int64_t k0 = 0; k0 < pb.in; k0 += depth) {
+        const int64_t k1 = std::min(pb.in, k0 + depth);
+        for (int64_t g = g0; g < g_end;) {  // 16 accumulators: 4 x 4 vectors, 8 x 2 or 16 x 1
+          const int64_t rv = std::min<int64_t>(g_end - g, 4);
+          for (int64_t o = p; o < p_end; o += 16) {
+            const bool first = g == 0 && depth == pb.in;
+            const char* ahead = first ? pb.w + (o + 16) * pb.row_bytes : nullptr;
+            float* block = c + (o - p) * stride + 16 * (g - g0);
+            if (rv == 4) f32_block<4, 4>(pb, o, p_end, k0, k1, g, block, stride, ahead);
+            else if (rv >= 2) f32_block<8, 2>(pb, o, p_end, k0, k1, g, block, stride, ahead);
+            else f32_block<16, 1>(pb, o, p_end, k0, k1, g, block, stride, ahead);
+          }
+          g += rv == 4 ? 4 : rv >= 2 ? 2 : 1;
+        }
+      }
+      for (int64_t o = p; o < p_end; o += 16) {  // c's 16 x 16 squares, transposed: y's rows
+        const __mmask16 columns =
+            static_cast<__mmask16>((1u << std::min<int64_t>(16, p_end - o)) - 1);
+        for (int64_t g = g0; g < g_end; ++g) {
+          __m512 t[16];
+          const float* square = c + (o - p) * stride + 16 * (g - g0);
+          for (int n = 0; n < 16; ++n) t[n] = _mm512_load_ps(square + n * stride);
+          transpose16(t);
+          for (int64_t m = 0, r = 16 * g; m < 16 && r < pb.rows; ++m, ++r) {
+            const int64_t i = r * pb.out + o;
+            if (pb.residual)
+              t[m] = _mm512_add_ps(_mm512_maskz_loadu_ps(columns, pb.residual + i), t[m]);
+            _mm512_mask_storeu_ps(pb.y + i, columns, t[m]);
+          }
+        }
+      }
     }
   }
-  store_lane_sums(sums, acc + r0 * kOutBlock);
 }
 
-void block_f32(const Problem& pb, int64_t o, int64_t block, float* acc) {
-  const float* w[kOutBlock];
-  for (int j = 0; j < kOutBlock; ++j)  // rows past the block repeat its first (unused sums)
-    w[j] = reinterpret_cast<const float*>(pb.w) + (o + (j < block ? j : 0)) * pb.in;
-  for_row_tiles(pb.rows, [&](auto rt, int64_t r) { tile_dot_f32<rt>(pb, r, w, acc); });
+// x [R, I] into x_t: per 32 rows (zeros past R) [I][32], 16 x 16 squares at a time, in
+// `buffer` from its first 64-byte boundary (a vector load across two cache lines costs two),
+// which it returns. One pair of row groups' columns are then adjacent: rows of x [I] apart
+// (512 rows: 2 KiB) fell on a few of L1's sets, and every load came from L2.
+const float* transpose_x(const float* x, int64_t rows, int64_t in, std::vector<float>& buffer) {
+  const int64_t pairs = (rows + 31) / 32;
+  buffer.resize(pairs * in * 32 + 15);
+  float* out = buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) / 4 & 15);
+  for (int64_t k0 = 0; k0 < in; k0 += 16) {
+    const int64_t n = std::min<int64_t>(16, in - k0);
+    const __mmask16 columns = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t r0 = 0; r0 < pairs * 32; r0 += 16) {
+      __m512 t[16];
+      for (int64_t m = 0; m < 16; ++m)
+        t[m] = r0 + m < rows ? _mm512_maskz_loadu_ps(columns, x + (r0 + m) * in + k0)
+                             : _mm512_setzero_ps();
+      transpose16(t);
+      float* dst = out + (r0 / 32 * in + k0) * 32 + r0 % 32;
+      for (int64_t j = 0; j < n; ++j) _mm512_store_ps(dst + j * 32, t[j]);
+    }
+  }
+  return out;
 }
 #else
-constexpr bool kDirectF32 = false;
-void block_f32(const Problem&, int64_t, int64_t, float*) {}
+constexpr bool kF32Path = false;
+inline void run_rows_f32(const Problem&, int64_t, int64_t) {}
+inline const float* transpose_x(const float*, int64_t, int64_t, std::vector<float>&) {
+  return nullptr;
+}
 #endif
-
-
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // bfloat16 weights on AMX tiles, past kAmxFromRows rows of x: XLA's dot reaches AMX through
@@ -255,31 +371,6 @@ struct alignas(64) TileConfig {
 };
 
 inline bool amx_rows(const Problem& pb) { return pb.x_amx != nullptr; }
-
-// r[i] element j -> r[j] element i, for 16 x 16 32-bit values (bit-exact shuffles).
-inline void transpose16(__m512* r) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  auto pd = [](__m512 v) { return _mm512_castps_pd(v); };
-  for (int i = 0; i < 4; ++i) {  // r[4i + c], 128-bit lane l: column 4l + c, rows 4i .. 4i + 3
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
-  }
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 4; ++j) {
-      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-      t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
-    }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
-    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
-  }
-}
 
 // Weight rows [o, o + 16 NB) by x row tiles [g0, g0 + G) (NB, G: 1 or 2): tile 2 b + g sums
 // weight block b against x tile g0 + g (tiles 4, 5: the weight blocks; 6, 7: x's), stored to
@@ -384,7 +475,7 @@ inline void pack_x_amx(const Problem&, std::vector<uint16_t>&) {}
 inline bool direct(const Problem& pb) {
   switch (pb.kind) {
     case Kind::kBF16: return kDotBF16;
-    case Kind::kF32: return kDirectF32;
+    case Kind::kF32: return false;  // AVX-512: run_rows_f32 takes the whole call
     default: return pb.integer_dots || (kDirectQuant && pb.rows <= kRowTile);  // int8, int4
   }
 }
@@ -402,6 +493,7 @@ inline void store_block(const Problem& pb, int64_t o, int64_t block, const float
 void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
   alignas(64) static thread_local float w[kOutBlock * kChunk];
   static thread_local std::vector<float> acc;
+  if (pb.x_t != nullptr) return run_rows_f32(pb, o_begin, o_end);
   acc.resize(pb.rows * kOutBlock);
   const int64_t full = pb.rows - pb.rows % kRowTile;
   if (amx_rows(pb)) o_begin = run_rows_amx(pb, o_begin, o_end);
@@ -410,7 +502,6 @@ void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     if (direct(pb)) {
       if (pb.kind == Kind::kBF16) block_bf16(pb, o, block, acc.data());
-      else if (pb.kind == Kind::kF32) block_f32(pb, o, block, acc.data());
       else block_quant(pb, o, block, acc.data());
       store_block(pb, o, block, acc.data());
       continue;
@@ -449,12 +540,21 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb, int64_t parallel_bytes)
   // SmolLM2 int4 at batch 1, the engine, 32-token requests alternating in one process
   // (2026-12-05, 2 cores): 206-208 against 216-220 tok/s median in three runs; 16 rows
   // 475 / 469, bfloat16 at 1 row 89 / 89, at 64 rows 602 / 618 (neutral).
-  auto whole = [](int64_t n) { return (n + kOutBlock - 1) / kOutBlock * kOutBlock; };
-  const int64_t rows = whole((pb.out + workers - 1) / workers);
+  // A float32 product (run_rows_f32) is bound by its multiply-adds, not by its bytes:
+  // milliseconds at 64 rows for an LM head, where a thread the scheduler lent to async
+  // scheduling's host thread held back the end of its one item. Up to 64 rows it takes 8
+  // items a worker (2 past them: each item reads all of x), whole 16-row blocks claimed as
+  // threads come free, and the threads do not spin after it: spinning beside the host
+  // thread took that thread's core (the tiny float32 model at 64 rows, async on, 2 cores,
+  // ms a step against XLA's in the same process: 6.83 / 6.54 spinning, 6.60 / 6.55 not).
+  const bool f32 = pb.x_t != nullptr;
+  const int64_t block = f32 ? 16 : kOutBlock, per_worker = f32 ? (pb.rows <= 64 ? 8 : 2) : 1;
+  auto whole = [block](int64_t n) { return (n + block - 1) / block * block; };
+  const int64_t rows = whole((pb.out + workers * per_worker - 1) / (workers * per_worker));
   const int64_t n = (pb.out + rows - 1) / rows;
   // Spinning for the next call: the kernel serves decode's few rows, where the products
   // follow each other with only small single-threaded thunks between them.
-  ksana_cpu_pool::run_on_pool(pool, n, /*spin=*/true, [&](int64_t i) {
+  ksana_cpu_pool::run_on_pool(pool, n, /*spin=*/!f32, [&](int64_t i) {
     run_rows(pb, i * rows, std::min(pb.out, (i + 1) * rows));
   });
 }
@@ -543,7 +643,7 @@ ffi::Error weight_problem(const ffi::AnyBuffer& w, const ffi::AnyBuffer& scales,
 struct Scratch {
   Problem problem;
   std::vector<int32_t> vector_group;
-  std::vector<float> gated, normed, padded, x_sum, x_scale, x8_lanes, x_offset;
+  std::vector<float> gated, normed, padded, x_t, x_sum, x_scale, x8_lanes, x_offset;
   std::vector<uint16_t> x_bf16;
   std::vector<uint16_t> x_amx;
   std::vector<int8_t> x8;
@@ -664,7 +764,9 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   // rounds it the same way), in bfloat16 for vdpbf16ps; float x is padded with zeros to
   // whole vectors when I is not a multiple of kLanes.
   const bool round_x = pb.bf16;
-  if (pb.integer_dots) {
+  if (pb.kind == Kind::kF32 && kF32Path) {
+    pb.x_t = transpose_x(x_in, pb.rows, pb.in, scratch.x_t);
+  } else if (pb.integer_dots) {
     prepare_x8(x_in, pb, pb.kind == Kind::kInt4, scratch.x8, scratch.x_scale, scratch.x_sum,
                scratch.x8_lanes, scratch.x_offset);
   } else if ((pb.kind == Kind::kBF16 || pb.bf16) && direct(pb)) {

@@ -7,7 +7,7 @@ At decode's few rows a product is bound by the weight bytes, and XLA:CPU streams
 below the machine's bandwidth; the kernel has every core stream its own weight rows once,
 dequantized in registers, with all R rows of x in a register tile (benchmarks/linear_cpu.py
 measures it against XLA's dot). `models.layers.linear` takes this path on CPU for
-R <= MAX_ROWS; the jnp product (dequantize, then dot) stays the reference and the path
+MIN_ROWS <= R <= MAX_ROWS; the jnp product (dequantize, then dot) stays the reference and the path
 everywhere else.
 
 Compiled at first use (cpu_build.py: the system C++ compiler, once per machine);
@@ -94,27 +94,32 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 # (x as bytes, SmolLM2 int4 decode, the engine, 64 tokens a request, one process per setting,
 # 2026-12-03, median of 4 / two rounds): the kernel 384 / 368 tok/s against XLA's 212 / 206
 # at 32 rows, 404 / 387 against 287 / 310 at 64, 441 against 472 at 128 (one round); int4
-# without them (a float32 product, or no VNNI) keeps 16. float32 stays on XLA's dot, though
-# the kernel is now faster up to 8 rows (2026-12-06, Zen 4, linear_cpu.py, weights from
-# memory, XLA's time over the kernel's: [576, 576] 1.08 / 2.33 / 1.72 / 1.06 at 1 / 2 / 4 / 8
-# rows, [49152, 128] 1.73 / 1.65 / 1.68 / 1.42; the tiny float32 model of host_overhead.py
-# decoded 1,131-1,266 tok/s at 1 row with async scheduling against 695-829): with the kernel
-# at few rows and XLA's dot beyond, tests/test_server_echo.py failed: two greedy samples of
-# one prompt (n=2) got different logprobs, and a streamed response differed from the whole
-# one. A position's products then depend on the step that computes it (the kernel in a step of
-# up to 8 tokens, XLA's dot in a larger one: the same sums in another order), and chunked
-# prefill splits two samples' prompts into different steps: the tiny model, n=2 greedy, prefix
-# caching off, a 12-token prompt's samples agree and a 40-token one's (over a step's 32
-# tokens) do not; with float32 on XLA's dot both agree. bfloat16 models have the same property
-# at their MAX_ROWS (no test compares their samples exactly).
+# without them (a float32 product, or no VNNI) keeps 16. float32 takes the kernel at any rows
+# from 2 where the CPU has AVX-512 (run_rows_f32: sums in one order at every row count), so a
+# position's products do not depend on the step that computes it. With the kernel at up to 8
+# rows and XLA's dot beyond (tried 2026-12-06), tests/test_server_echo.py failed: chunked
+# prefill split two greedy samples' prompts (n=2, prefix caching off) into steps of different
+# sizes, and their logprobs differed, as did a streamed response from the whole one. A
+# 2-core Xeon with AMX (2026-12-06, one process, the kernel's and XLA's programs alternating,
+# median ms a step): SmolLM2 float32 decode 42.3 against 54.3 at 8 rows (1.28x), 74.5 against
+# 87.0 at 32 (1.17x); the tiny float32 model (its LM head [49152, 128] most of a step) 1.87
+# against 2.40 at 8 rows, 6.78 against 7.57 at 64 with async scheduling off, 7.36 against 7.27
+# with it on. Prefill is slower: SmolLM2 float32, 8 prompts of 256 tokens, 1,237-1,270 ms
+# against 1,037-1,041 (0.82x; single products of 256-1,024 rows 0.85-0.95x XLA's time).
+# bfloat16 models still have the step dependence past their MAX_ROWS (no test compares their
+# samples exactly).
 MAX_ROWS = {
-    "float32": 0,
+    "float32": 1 << 30 if direct_isa() == "avx512" else 0,  # any rows: see MIN_ROWS
     "bfloat16": 64 if direct_isa() == "avx512" else 16,  # CPUs with AMX have AVX512-BF16
     "int8": 8,
     "int8_integer_dots": 32,
     "int4": 16,
     "int4_integer_dots": 64,
 }
+# Rows from which `layers.linear` takes the kernel, where not 1. float32 at 1 row stays on
+# XLA's dot (a matrix-vector product, faster there: [1536, 576] 130 against 190 us): its
+# sums' order differs from its product of 2+ rows anyway, which the kernel's equals at I 128.
+MIN_ROWS = {"float32": 2}
 _WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 # Calls of fewer weight bytes (with their scales) run on the caller's thread alone. XLA's
 # pool threads started 0.1-10 ms late on this repo's loaded 2-core machine, after a decode
@@ -153,11 +158,11 @@ def supports(w: jax.Array | quant.QuantizedMatrix) -> bool:
 def takes(x: jax.Array, w: jax.Array | quant.QuantizedMatrix) -> bool:
     """Whether `layers.linear` runs x [R, I] . w^T through the kernel, decided at trace time:
     on CPU, outside a mesh of several devices (XLA cannot partition a custom call; the
-    tensor-parallel split keeps the jnp product), for a weight it takes and R up to its
-    format's MAX_ROWS, when the kernel builds here."""
+    tensor-parallel split keeps the jnp product), for a weight it takes and R within its
+    format's MIN_ROWS and MAX_ROWS, when the kernel builds here."""
     if not ENABLED or x.ndim != 2 or jax.default_backend() != "cpu" or not supports(w):
         return False
-    if x.shape[0] > max_rows(w):
+    if not MIN_ROWS.get(kind(w)[0], 1) <= x.shape[0] <= max_rows(w):
         return False
     mesh = jax.sharding.get_abstract_mesh()
     return (mesh.empty or mesh.size == 1) and available()
@@ -177,7 +182,8 @@ def rows_taken(params) -> int:
         return 0
     most = 0
     for w in jax.tree.leaves(params, is_leaf=quant.is_quantized):
-        if len(w.shape) >= 2 and kind(w)[0] in MAX_ROWS:
+        # a format that starts past one row (MIN_ROWS) gains nothing from 1-token steps
+        if len(w.shape) >= 2 and kind(w)[0] in MAX_ROWS and kind(w)[0] not in MIN_ROWS:
             most = max(most, max_rows(w))
     return most if most and available() else 0
 

@@ -219,6 +219,9 @@ struct Problem {
   // rounded up; null where the call does not take AMX tiles
   const uint16_t* x_amx;
   int64_t x_amx_groups;
+  // float32 weights with AVX-512 (linear_cpu.cc, run_rows_f32): x transposed, per 32 rows
+  // [I][32] (zeros past R); null otherwise
+  const float* x_t;
   float* y;        // [R, O]
   const float* residual;  // [R, O], added to y, or null
 };
