@@ -95,7 +95,7 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 # 2026-12-03, median of 4 / two rounds): the kernel 384 / 368 tok/s against XLA's 212 / 206
 # at 32 rows, 404 / 387 against 287 / 310 at 64, 441 against 472 at 128 (one round); int4
 # without them (a float32 product, or no VNNI) keeps 16. float32 takes the kernel at any rows
-# from 2 where the CPU has AVX-512 (run_rows_f32: sums in one order at every row count), so a
+# from 2 where the CPU has AVX-512F (run_rows_f32: sums in one order at every row count), so a
 # position's products do not depend on the step that computes it. With the kernel at up to 8
 # rows and XLA's dot beyond (tried 2026-12-06), tests/test_server_echo.py failed: chunked
 # prefill split two greedy samples' prompts (n=2, prefix caching off) into steps of different
@@ -109,7 +109,7 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 # bfloat16 models still have the step dependence past their MAX_ROWS (no test compares their
 # samples exactly).
 MAX_ROWS = {
-    "float32": 1 << 30 if direct_isa() == "avx512" else 0,  # any rows: see MIN_ROWS
+    "float32": 1 << 30 if "avx512f" in cpu_build.cpu_flags() else 0,  # run_rows_f32: AVX-512
     "bfloat16": 64 if direct_isa() == "avx512" else 16,  # CPUs with AMX have AVX512-BF16
     "int8": 8,
     "int8_integer_dots": 32,
