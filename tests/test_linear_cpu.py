@@ -284,10 +284,10 @@ def test_bfloat16_rows_past_eight_do_not_depend_on_the_calls_rows():
 
 
 def test_float32_rows_sums_do_not_depend_on_the_calls_rows():
-    """float32 at any rows (run_rows_f32: one multiply-add a column, in order, past 64 rows a
-    few columns at a time and 256 rows at a time): each row of a call is the same numbers
-    whatever rows the call has beside it, on the caller and shared over the pool, and the
-    product is the float64 one's within float32 rounding."""
+    """float32 (run_rows_f32: one multiply-add a column, in order, at any rows a call has):
+    each row of a call is the same numbers whatever rows the call has beside it, on the
+    caller and shared over the pool, and the product is the float64 one's within float32
+    rounding."""
     rng = np.random.default_rng(7)
     for out, inp in [(130, 576), (37, 100), (64, 128)]:
         w = weight(rng, "float32", out, inp)
@@ -307,14 +307,14 @@ def test_float32_rows_sums_do_not_depend_on_the_calls_rows():
 
 
 def test_layers_linear_takes_float32_from_two_rows():
-    """float32 products go to the kernel from MIN_ROWS (2) rows up where the CPU has AVX-512
-    (MAX_ROWS), and stay on XLA's dot at one row; `rows_taken` leaves them out (no 1-token
-    step is compiled for them)."""
+    """float32 products go to the kernel at MIN_ROWS (2) to MAX_ROWS (64 where the CPU has
+    AVX-512F) rows, and stay on XLA's dot at one row and past them; `rows_taken` leaves them
+    out (no 1-token step is compiled for them)."""
     rng = np.random.default_rng(8)
     w = weight(rng, "float32", 33, 96)
     most = linear_cpu.max_rows(w)
     assert linear_cpu.rows_taken({"w": w}) == 0
-    for rows in (1, 2, 300):
+    for rows in (1, 2, max(most, 2), most + 1):
         x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
         hlo = jax.jit(layers.linear).lower(x, w).as_text()
         assert (linear_cpu.TARGET in hlo) == (2 <= rows <= most), rows

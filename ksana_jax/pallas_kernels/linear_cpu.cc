@@ -20,8 +20,8 @@
 // AVX2 but not AVX512-BF16 has its own direct paths for bfloat16, for int8 / int4 by
 // integer dots and, without them, for int8 / int4 dequantized in registers at up to
 // kRowTile rows (linear_cpu_avx2.h). bfloat16 past kAmxFromRows rows on a CPU with AMX runs
-// on its tiles (run_rows_amx). float32 with AVX-512 has a path of its own at any rows
-// (run_rows_f32: one multiply-add a column, in order). Otherwise (more rows without
+// on its tiles (run_rows_amx). float32 with AVX-512 has a path of its own (run_rows_f32:
+// one multiply-add a column, in order). Otherwise (more rows without
 // integer dots, or neither) each block goes kChunk columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
 //            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;
@@ -217,43 +217,32 @@ inline void transpose16(__m512* r) {
   }
 }
 
-// float32 weights, at 2+ rows (linear_cpu.py's MIN_ROWS): y[r][o] sums x[r][k] w[o][k] one
-// column at a time, a multiply-add each from zero, in column order -- so a row's sums do not
-// depend on the rows beside it (a position's logits do not depend on the step that computes
-// it), and they are XLA's own where its dot sums the same way (YNNPACK at I 128 and 2+ rows:
-// bit-equal). x's rows are the vector lanes (x transposed once a call, Problem::x_t) and
-// each weight element is broadcast as it lies, where XLA's dot repacked (transposed) every
-// weight on every call: 19% of the tiny float32 model's 64-row decode step (host_overhead.py).
-// Blocking: the weight goes by in panels of kF32Panel rows and x's rows kF32Rows at a time
-// (their part of x_t stays in L2). Up to 64 rows of x (decode) all columns go at once, each
-// 16-row block read from memory once (and from L2 for x's second 32 rows); past them,
-// kF32Depth columns at a time, so that the 32 or 64 rows of x_t a pass reads stay in L1, the
-// sums going on from where the last columns left them (c): their order does not change.
-// With all columns at once, 512 rows of [576, 1536] took 2.5x XLA's time; 128 at a time,
-// 1.05-1.2x.
+// float32 weights, at 2-64 rows (linear_cpu.py's MIN_ROWS, MAX_ROWS): y[r][o] sums x[r][k]
+// w[o][k] one column at a time, a multiply-add each from zero, in column order -- so a row's
+// sums do not depend on the rows beside it, and they are XLA's own where its dot sums the
+// same way (YNNPACK at I 128 and 2+ rows: bit-equal). x's rows are the vector lanes (x
+// transposed once a call, Problem::x_t) and each weight element is broadcast as it lies,
+// where XLA's dot repacked (transposed) every weight on every call: 19% of the tiny float32
+// model's 64-row decode step (host_overhead.py). The weight goes by in panels of kF32Panel
+// rows, each 16-row block read from memory once (and from L2 for x's second 32 rows).
 constexpr int64_t kF32Panel = 64;
-constexpr int64_t kF32Depth = 128;
-constexpr int64_t kF32Rows = 256;
 
-// c[weight row - o][x row] (rows c_stride apart) for weight rows [o, o + 16) (past o_end:
-// the first's, not stored) and x rows [16 g, 16 (g + RV)): the sums of columns [k0, k1)
-// added to c's (to zeros at column 0), NB weight rows at a time (NB RV accumulators).
-// `ahead`: the next block's rows, prefetched in address order, one line a column of the first
-// NB rows (16 rows are I lines), or null.
+// c[weight row - o][x row - 16 g] (rows c_stride apart) for weight rows [o, o + 16) (past
+// o_end: the first's, not stored) and x rows [16 g, 16 (g + RV)), NB weight rows at a time
+// (NB RV accumulators). `ahead`: the next block's rows, prefetched in address order, one line
+// a column of the first NB rows (16 rows are I lines), or null.
 template <int NB, int RV>
-void f32_block(const Problem& pb, int64_t o, int64_t o_end, int64_t k0, int64_t k1, int64_t g,
-               float* c, int64_t c_stride, const char* ahead) {
+void f32_block(const Problem& pb, int64_t o, int64_t o_end, int64_t g, float* c,
+               int64_t c_stride, const char* ahead) {
   const float* w0 = reinterpret_cast<const float*>(pb.w);
   for (int s = 0; s < 16; s += NB) {
     const float* w[NB];
     for (int n = 0; n < NB; ++n) w[n] = w0 + (o + s + n < o_end ? o + s + n : o) * pb.in;
-    float* cs = c + s * c_stride;
     __m512 acc[NB][RV];
     for (int n = 0; n < NB; ++n)
-      for (int v = 0; v < RV; ++v)
-        acc[n][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(cs + n * c_stride + 16 * v);
-    const float* xt = pb.x_t + (g / 2 * pb.in + k0) * 32;
-    for (int64_t k = k0; k < k1; ++k, xt += 32) {
+      for (int v = 0; v < RV; ++v) acc[n][v] = _mm512_setzero_ps();
+    const float* xt = pb.x_t + g / 2 * pb.in * 32;
+    for (int64_t k = 0; k < pb.in; ++k, xt += 32) {
       if (ahead != nullptr && s == 0) _mm_prefetch(ahead + 64 * k, _MM_HINT_T0);
       __m512 xv[RV];
       for (int v = 0; v < RV; ++v) xv[v] = _mm512_load_ps(xt + v / 2 * pb.in * 32 + v % 2 * 16);
@@ -263,51 +252,42 @@ void f32_block(const Problem& pb, int64_t o, int64_t o_end, int64_t k0, int64_t 
       }
     }
     for (int n = 0; n < NB; ++n)
-      for (int v = 0; v < RV; ++v) _mm512_store_ps(cs + n * c_stride + 16 * v, acc[n][v]);
+      for (int v = 0; v < RV; ++v) _mm512_store_ps(c + (s + n) * c_stride + 16 * v, acc[n][v]);
   }
 }
 
-// Weight rows [o_begin, o_end) of a float32 product, results (plus the residual) to y: per
-// kF32Rows of x's rows (their part of x_t stays in L2), per panel, per kF32Depth columns.
+// Weight rows [o_begin, o_end) of a float32 product, results (plus the residual) to y.
 void run_rows_f32(const Problem& pb, int64_t o_begin, int64_t o_end) {
   static thread_local std::vector<float> buffer;
-  const int64_t groups = (pb.rows + 15) / 16, depth = pb.rows <= 64 ? pb.in : kF32Depth;
-  constexpr int64_t stride = kF32Rows;  // of c: [weight row - panel start][x row - r0]
+  const int64_t groups = (pb.rows + 15) / 16, stride = groups * 16;  // c: [panel row][x row]
   buffer.resize(kF32Panel * stride + 15);
   float* c = buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) / 4 & 15);
-  for (int64_t g0 = 0; g0 < groups; g0 += kF32Rows / 16) {
-    const int64_t g_end = std::min(groups, g0 + kF32Rows / 16);
-    for (int64_t p = o_begin; p < o_end; p += kF32Panel) {
-      const int64_t p_end = std::min(o_end, p + kF32Panel);
-      for (int64_t k0 = 0; k0 < pb.in; k0 += depth) {
-        const int64_t k1 = std::min(pb.in, k0 + depth);
-        for (int64_t g = g0; g < g_end;) {  // 16 accumulators: 4 x 4 vectors, 8 x 2 or 16 x 1
-          const int64_t rv = std::min<int64_t>(g_end - g, 4);
-          for (int64_t o = p; o < p_end; o += 16) {
-            const bool first = g == 0 && depth == pb.in;
-            const char* ahead = first ? pb.w + (o + 16) * pb.row_bytes : nullptr;
-            float* block = c + (o - p) * stride + 16 * (g - g0);
-            if (rv == 4) f32_block<4, 4>(pb, o, p_end, k0, k1, g, block, stride, ahead);
-            else if (rv >= 2) f32_block<8, 2>(pb, o, p_end, k0, k1, g, block, stride, ahead);
-            else f32_block<16, 1>(pb, o, p_end, k0, k1, g, block, stride, ahead);
-          }
-          g += rv == 4 ? 4 : rv >= 2 ? 2 : 1;
-        }
+  for (int64_t p = o_begin; p < o_end; p += kF32Panel) {
+    const int64_t p_end = std::min(o_end, p + kF32Panel);
+    for (int64_t g = 0; g < groups;) {  // 16 accumulators: 4 x 4 vectors, 8 x 2 or 16 x 1
+      const int64_t rv = std::min<int64_t>(groups - g, 4);
+      for (int64_t o = p; o < p_end; o += 16) {
+        const char* ahead = g == 0 ? pb.w + (o + 16) * pb.row_bytes : nullptr;
+        float* block = c + (o - p) * stride + 16 * g;
+        if (rv == 4) f32_block<4, 4>(pb, o, p_end, g, block, stride, ahead);
+        else if (rv >= 2) f32_block<8, 2>(pb, o, p_end, g, block, stride, ahead);
+        else f32_block<16, 1>(pb, o, p_end, g, block, stride, ahead);
       }
-      for (int64_t o = p; o < p_end; o += 16) {  // c's 16 x 16 squares, transposed: y's rows
-        const __mmask16 columns =
-            static_cast<__mmask16>((1u << std::min<int64_t>(16, p_end - o)) - 1);
-        for (int64_t g = g0; g < g_end; ++g) {
-          __m512 t[16];
-          const float* square = c + (o - p) * stride + 16 * (g - g0);
-          for (int n = 0; n < 16; ++n) t[n] = _mm512_load_ps(square + n * stride);
-          transpose16(t);
-          for (int64_t m = 0, r = 16 * g; m < 16 && r < pb.rows; ++m, ++r) {
-            const int64_t i = r * pb.out + o;
-            if (pb.residual)
-              t[m] = _mm512_add_ps(_mm512_maskz_loadu_ps(columns, pb.residual + i), t[m]);
-            _mm512_mask_storeu_ps(pb.y + i, columns, t[m]);
-          }
+      g += rv == 4 ? 4 : rv >= 2 ? 2 : 1;
+    }
+    for (int64_t o = p; o < p_end; o += 16) {  // c's 16 x 16 squares, transposed: y's rows
+      const __mmask16 columns =
+          static_cast<__mmask16>((1u << std::min<int64_t>(16, p_end - o)) - 1);
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 t[16];
+        const float* square = c + (o - p) * stride + 16 * g;
+        for (int n = 0; n < 16; ++n) t[n] = _mm512_load_ps(square + n * stride);
+        transpose16(t);
+        for (int64_t m = 0, r = 16 * g; m < 16 && r < pb.rows; ++m, ++r) {
+          const int64_t i = r * pb.out + o;
+          if (pb.residual)
+            t[m] = _mm512_add_ps(_mm512_maskz_loadu_ps(columns, pb.residual + i), t[m]);
+          _mm512_mask_storeu_ps(pb.y + i, columns, t[m]);
         }
       }
     }
@@ -316,8 +296,7 @@ void run_rows_f32(const Problem& pb, int64_t o_begin, int64_t o_end) {
 
 // x [R, I] into x_t: per 32 rows (zeros past R) [I][32], 16 x 16 squares at a time, in
 // `buffer` from its first 64-byte boundary (a vector load across two cache lines costs two),
-// which it returns. One pair of row groups' columns are then adjacent: rows of x [I] apart
-// (512 rows: 2 KiB) fell on a few of L1's sets, and every load came from L2.
+// which it returns: a pair of row groups' columns adjacent, one stream a pair.
 const float* transpose_x(const float* x, int64_t rows, int64_t in, std::vector<float>& buffer) {
   const int64_t pairs = (rows + 31) / 32;
   buffer.resize(pairs * in * 32 + 15);
@@ -543,13 +522,13 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb, int64_t parallel_bytes)
   // 475 / 469, bfloat16 at 1 row 89 / 89, at 64 rows 602 / 618 (neutral).
   // A float32 product (run_rows_f32) is bound by its multiply-adds, not by its bytes:
   // milliseconds at 64 rows for an LM head, where a thread the scheduler lent to async
-  // scheduling's host thread held back the end of its one item. Up to 64 rows it takes 8
-  // items a worker (2 past them: each item reads all of x), whole 16-row blocks claimed as
-  // threads come free, and the threads do not spin after it: spinning beside the host
-  // thread took that thread's core (the tiny float32 model at 64 rows, async on, 2 cores,
-  // ms a step against XLA's in the same process: 6.83 / 6.54 spinning, 6.60 / 6.55 not).
+  // scheduling's host thread held back the end of its one item. So it takes 8 items a
+  // worker, whole 16-row blocks claimed as threads come free, and the threads do not spin
+  // after it: spinning beside the host thread took that thread's core (the tiny float32
+  // model at 64 rows, async on, 2 cores, ms a step against XLA's in the same process: 6.83 /
+  // 6.54 spinning, 6.60 / 6.55 not).
   const bool f32 = pb.x_t != nullptr;
-  const int64_t block = f32 ? 16 : kOutBlock, per_worker = f32 ? (pb.rows <= 64 ? 8 : 2) : 1;
+  const int64_t block = f32 ? 16 : kOutBlock, per_worker = f32 ? 8 : 1;
   auto whole = [block](int64_t n) { return (n + block - 1) / block * block; };
   const int64_t rows = whole((pb.out + workers * per_worker - 1) / (workers * per_worker));
   const int64_t n = (pb.out + rows - 1) / rows;

@@ -94,22 +94,24 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 # (x as bytes, SmolLM2 int4 decode, the engine, 64 tokens a request, one process per setting,
 # 2026-12-03, median of 4 / two rounds): the kernel 384 / 368 tok/s against XLA's 212 / 206
 # at 32 rows, 404 / 387 against 287 / 310 at 64, 441 against 472 at 128 (one round); int4
-# without them (a float32 product, or no VNNI) keeps 16. float32 takes the kernel at any rows
-# from 2 where the CPU has AVX-512F (run_rows_f32: sums in one order at every row count), so a
-# position's products do not depend on the step that computes it. With the kernel at up to 8
-# rows and XLA's dot beyond (tried 2026-12-06), tests/test_server_echo.py failed: chunked
-# prefill split two greedy samples' prompts (n=2, prefix caching off) into steps of different
-# sizes, and their logprobs differed, as did a streamed response from the whole one. A
-# 2-core Xeon with AMX (2026-12-06, one process, the kernel's and XLA's programs alternating,
-# median ms a step): SmolLM2 float32 decode 42.3 against 54.3 at 8 rows (1.28x), 74.5 against
-# 87.0 at 32 (1.17x); the tiny float32 model (its LM head [49152, 128] most of a step) 1.87
-# against 2.40 at 8 rows, 6.78 against 7.57 at 64 with async scheduling off, 7.36 against 7.27
-# with it on. Prefill is slower: SmolLM2 float32, 8 prompts of 256 tokens, 1,237-1,270 ms
-# against 1,037-1,041 (0.82x; single products of 256-1,024 rows 0.85-0.95x XLA's time).
-# bfloat16 models still have the step dependence past their MAX_ROWS (no test compares their
-# samples exactly).
+# without them (a float32 product, or no VNNI) keeps 16. float32 takes the kernel at 2-64
+# rows where the CPU has AVX-512F (run_rows_f32: the same sums in the same order at every row
+# count, so within those rows a position's products do not depend on its step). A 2-core Xeon
+# with AMX (2026-12-06, one process, the kernel's and XLA's programs alternating, median ms a
+# step): SmolLM2 float32 decode 42.3 against 54.3 at 8 rows (1.28x), 74.5 against 87.0 at 32
+# (1.17x); the tiny float32 model (its LM head [49152, 128] most of a step) 1.87 against 2.40
+# at 8 rows, 6.78 against 7.57 at 64 with async scheduling off, 7.36 against 7.27 with it on.
+# Past 64 rows the kernel was slower, even with its columns in blocks of 128 and its rows in
+# blocks of 256 (tried): one core, XLA's time over the kernel's, [1536, 576] 0.93 at 1,024
+# rows, LM heads [49152, 128] / [49152, 576] 0.61 / 0.75 at 256; with every float32 product
+# of 2+ rows in the kernel, SmolLM2 float32 prefill (8 prompts of 256 tokens) took 1,237-1,270
+# ms against 1,037-1,041 and the tiny model decoded 7,444 tok/s at 256 rows against ~11,000.
+# So float32 steps of more than 64 tokens depend on their step as bfloat16's past their
+# MAX_ROWS do (no test compares such samples exactly). An earlier try with the kernel up to 8
+# rows failed tests/test_server_echo.py (its tiny-model prompts in steps of 8 or fewer tokens
+# and of up to 32: two greedy samples of one prompt, n=2, got different logprobs).
 MAX_ROWS = {
-    "float32": 1 << 30 if "avx512f" in cpu_build.cpu_flags() else 0,  # run_rows_f32: AVX-512
+    "float32": 64 if "avx512f" in cpu_build.cpu_flags() else 0,  # run_rows_f32: AVX-512F
     "bfloat16": 64 if direct_isa() == "avx512" else 16,  # CPUs with AMX have AVX512-BF16
     "int8": 8,
     "int8_integer_dots": 32,
