@@ -108,8 +108,8 @@ def x_step(w: quant.QuantizedMatrix) -> tuple[int, int]:
 # ms against 1,037-1,041 and the tiny model decoded 7,444 tok/s at 256 rows against ~11,000.
 # So float32 steps of more than 64 tokens depend on their step as bfloat16's past their
 # MAX_ROWS do (no test compares such samples exactly). An earlier try with the kernel up to 8
-# rows failed tests/test_server_echo.py (its tiny-model prompts in steps of 8 or fewer tokens
-# and of up to 32: two greedy samples of one prompt, n=2, got different logprobs).
+# rows failed tests/test_server_echo.py: chunked prefill put its tiny-model prompts into steps
+# on both sides of 8 tokens, and two greedy samples of one prompt (n=2) got different logprobs.
 MAX_ROWS = {
     "float32": 64 if "avx512f" in cpu_build.cpu_flags() else 0,  # run_rows_f32: AVX-512F
     "bfloat16": 64 if direct_isa() == "avx512" else 16,  # CPUs with AMX have AVX512-BF16
