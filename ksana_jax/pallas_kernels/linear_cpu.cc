@@ -21,8 +21,8 @@
 // integer dots and, without them, for int8 / int4 dequantized in registers at up to
 // kRowTile rows (linear_cpu_avx2.h). bfloat16 past kAmxFromRows rows on a CPU with AMX runs
 // on its tiles (run_rows_amx). float32 with AVX-512 has a path of its own (run_rows_f32:
-// one multiply-add a column, in order). Otherwise (more rows without
-// integer dots, or neither) each block goes kChunk columns at a time:
+// one multiply-add a column, in order, 16 weight rows at a time). Otherwise (more rows
+// without integer dots, or neither) each block goes kChunk columns at a time:
 //   phase 1  dequantize the block's chunk to float32 in registers (bfloat16 by a shift,
 //            int8 / int4 by a convert and a multiply-add), stored to an L1 scratch;
 //   phase 2  for every kRowTile of x's rows (read from L1 / L2), a register tile of
@@ -227,6 +227,13 @@ inline void transpose16(__m512* r) {
 // rows, each 16-row block read from memory once (and from L2 for x's second 32 rows).
 constexpr int64_t kF32Panel = 64;
 
+// `buffer` resized to hold n floats from its first 64-byte boundary, which it returns (a
+// vector load across two cache lines costs two).
+inline float* aligned_floats(std::vector<float>& buffer, int64_t n) {
+  buffer.resize(n + 15);
+  return buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) / 4 & 15);
+}
+
 // c[weight row - o][x row - 16 g] (rows c_stride apart) for weight rows [o, o + 16) (past
 // o_end: the first's, not stored) and x rows [16 g, 16 (g + RV)), NB weight rows at a time
 // (NB RV accumulators). `ahead`: the next block's rows, prefetched in address order, one line
@@ -260,8 +267,7 @@ void f32_block(const Problem& pb, int64_t o, int64_t o_end, int64_t g, float* c,
 void run_rows_f32(const Problem& pb, int64_t o_begin, int64_t o_end) {
   static thread_local std::vector<float> buffer;
   const int64_t groups = (pb.rows + 15) / 16, stride = groups * 16;  // c: [panel row][x row]
-  buffer.resize(kF32Panel * stride + 15);
-  float* c = buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) / 4 & 15);
+  float* c = aligned_floats(buffer, kF32Panel * stride);
   for (int64_t p = o_begin; p < o_end; p += kF32Panel) {
     const int64_t p_end = std::min(o_end, p + kF32Panel);
     for (int64_t g = 0; g < groups;) {  // 16 accumulators: 4 x 4 vectors, 8 x 2 or 16 x 1
@@ -295,12 +301,11 @@ void run_rows_f32(const Problem& pb, int64_t o_begin, int64_t o_end) {
 }
 
 // x [R, I] into x_t: per 32 rows (zeros past R) [I][32], 16 x 16 squares at a time, in
-// `buffer` from its first 64-byte boundary (a vector load across two cache lines costs two),
-// which it returns: a pair of row groups' columns adjacent, one stream a pair.
+// `buffer` (aligned_floats), which it returns: a pair of row groups' columns adjacent, one
+// stream a pair.
 const float* transpose_x(const float* x, int64_t rows, int64_t in, std::vector<float>& buffer) {
   const int64_t pairs = (rows + 31) / 32;
-  buffer.resize(pairs * in * 32 + 15);
-  float* out = buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) / 4 & 15);
+  float* out = aligned_floats(buffer, pairs * in * 32);
   for (int64_t k0 = 0; k0 < in; k0 += 16) {
     const int64_t n = std::min<int64_t>(16, in - k0);
     const __mmask16 columns = static_cast<__mmask16>((1u << n) - 1);
