@@ -256,7 +256,7 @@ def test_a_rows_sums_do_not_depend_on_the_calls_rows(fmt):
     for out, inp in [(130, 576), (37, 1536), (3, 96)]:
         w = weight(rng, fmt, out, inp)
         x = jnp.asarray(rng.standard_normal((8, inp)), jnp.float32)
-        for parallel_bytes in (linear_cpu.PARALLEL_BYTES, 0):
+        for parallel_bytes in (1 << 40, 0):  # the caller alone; shared over the pool
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(linear_cpu, "PARALLEL_BYTES", parallel_bytes)
                 kernel = jax.jit(lambda x, w: linear_cpu.linear(x, w))  # traced anew
@@ -273,7 +273,7 @@ def test_bfloat16_rows_past_eight_do_not_depend_on_the_calls_rows():
     for out, inp in [(130, 576), (64, 1536), (40, 96)]:
         w = weight(rng, "bfloat16", out, inp)
         x = jnp.asarray(rng.standard_normal((64, inp)), jnp.float32)
-        for parallel_bytes in (linear_cpu.PARALLEL_BYTES, 0):
+        for parallel_bytes in (1 << 40, 0):  # the caller alone; shared over the pool
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(linear_cpu, "PARALLEL_BYTES", parallel_bytes)
                 kernel = jax.jit(lambda x, w: linear_cpu.linear(x, w))  # traced anew
@@ -287,15 +287,16 @@ def test_float32_rows_sums_do_not_depend_on_the_calls_rows():
     """float32 (run_rows_f32: one multiply-add a column, in order, at any rows a call has):
     each row of a call is the same numbers whatever rows the call has beside it, on the
     caller and shared over the pool, and the product is the float64 one's within float32
-    rounding."""
+    rounding. [330, 576] goes by in two stretches of the weight (kF32StretchBytes), the second
+    ending inside a panel."""
     rng = np.random.default_rng(7)
-    for out, inp in [(130, 576), (37, 100), (64, 128)]:
+    for out, inp in [(330, 576), (37, 100), (64, 128)]:
         w = weight(rng, "float32", out, inp)
         x = jnp.asarray(rng.standard_normal((300, inp)), jnp.float32)
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
         # a sum of I float32 products in any order is within I * 2^-24 * sum|x w| of the exact
         bound = inp * 2.0**-24 * (np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w)).T)
-        for parallel_bytes in (linear_cpu.PARALLEL_BYTES, 0):
+        for parallel_bytes in (1 << 40, 0):  # the caller alone; shared over the pool
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(linear_cpu, "PARALLEL_BYTES", parallel_bytes)
                 kernel = jax.jit(lambda x, w: linear_cpu.linear(x, w))  # traced anew

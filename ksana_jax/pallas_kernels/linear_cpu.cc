@@ -223,9 +223,16 @@ inline void transpose16(__m512* r) {
 // same way (YNNPACK at I 128 and 2+ rows: bit-equal). x's rows are the vector lanes (x
 // transposed once a call, Problem::x_t) and each weight element is broadcast as it lies,
 // where XLA's dot repacked (transposed) every weight on every call: 19% of the tiny float32
-// model's 64-row decode step (host_overhead.py). The weight goes by in panels of kF32Panel
-// rows, each 16-row block read from memory once (and from L2 for x's second 32 rows).
+// model's 64-row decode step (host_overhead.py).
+//
+// x's rows go in passes of 32 (an x_t pair) over a stretch of the weight that stays in L2
+// (kF32StretchBytes: read from memory by the first pass, from L2 by the second), in panels
+// of kF32Panel rows. So y is written 32 rows at a time: one pass over all 64 rows (4 x 4
+// accumulator tiles) wrote 64 rows' streams at once and was 1.1-1.2x slower for an LM head
+// [49152, 128] at 64 rows (once the stores were left out, it ran at 2 multiply-adds a cycle),
+// and a pass over the whole weight each 32 rows was 0.83x for [49152, 576].
 constexpr int64_t kF32Panel = 64;
+constexpr int64_t kF32StretchBytes = 512 << 10;
 
 // `buffer` resized to hold n floats from its first 64-byte boundary, which it returns (a
 // vector load across two cache lines costs two).
@@ -234,13 +241,13 @@ inline float* aligned_floats(std::vector<float>& buffer, int64_t n) {
   return buffer.data() + (-reinterpret_cast<uintptr_t>(buffer.data()) / 4 & 15);
 }
 
-// c[weight row - o][x row - 16 g] (rows c_stride apart) for weight rows [o, o + 16) (past
-// o_end: the first's, not stored) and x rows [16 g, 16 (g + RV)), NB weight rows at a time
-// (NB RV accumulators). `ahead`: the next block's rows, prefetched in address order, one line
-// a column of the first NB rows (16 rows are I lines), or null.
+// c[weight row - o][x row - 16 g] (rows 32 apart) for weight rows [o, o + 16) (past o_end:
+// the first's, not stored) and x rows [16 g, 16 (g + RV)), g even, NB weight rows at a time
+// (NB RV = 16 accumulators). `ahead`: the next block's rows, prefetched in address order, one
+// line a column of the first NB rows (16 rows are I lines), or null.
 template <int NB, int RV>
 void f32_block(const Problem& pb, int64_t o, int64_t o_end, int64_t g, float* c,
-               int64_t c_stride, const char* ahead) {
+               const char* ahead) {
   const float* w0 = reinterpret_cast<const float*>(pb.w);
   for (int s = 0; s < 16; s += NB) {
     const float* w[NB];
@@ -252,48 +259,51 @@ void f32_block(const Problem& pb, int64_t o, int64_t o_end, int64_t g, float* c,
     for (int64_t k = 0; k < pb.in; ++k, xt += 32) {
       if (ahead != nullptr && s == 0) _mm_prefetch(ahead + 64 * k, _MM_HINT_T0);
       __m512 xv[RV];
-      for (int v = 0; v < RV; ++v) xv[v] = _mm512_load_ps(xt + v / 2 * pb.in * 32 + v % 2 * 16);
+      for (int v = 0; v < RV; ++v) xv[v] = _mm512_load_ps(xt + 16 * v);
       for (int n = 0; n < NB; ++n) {
         const __m512 wv = _mm512_set1_ps(w[n][k]);
         for (int v = 0; v < RV; ++v) acc[n][v] = _mm512_fmadd_ps(wv, xv[v], acc[n][v]);
       }
     }
     for (int n = 0; n < NB; ++n)
-      for (int v = 0; v < RV; ++v) _mm512_store_ps(c + (s + n) * c_stride + 16 * v, acc[n][v]);
+      for (int v = 0; v < RV; ++v) _mm512_store_ps(c + (s + n) * 32 + 16 * v, acc[n][v]);
   }
 }
 
 // Weight rows [o_begin, o_end) of a float32 product, results (plus the residual) to y.
 void run_rows_f32(const Problem& pb, int64_t o_begin, int64_t o_end) {
   static thread_local std::vector<float> buffer;
-  const int64_t groups = (pb.rows + 15) / 16, stride = groups * 16;  // c: [panel row][x row]
-  float* c = aligned_floats(buffer, kF32Panel * stride);
-  for (int64_t p = o_begin; p < o_end; p += kF32Panel) {
-    const int64_t p_end = std::min(o_end, p + kF32Panel);
-    for (int64_t g = 0; g < groups;) {  // 16 accumulators: 4 x 4 vectors, 8 x 2 or 16 x 1
-      const int64_t rv = std::min<int64_t>(groups - g, 4);
-      for (int64_t o = p; o < p_end; o += 16) {
-        const char* ahead = g == 0 ? pb.w + (o + 16) * pb.row_bytes : nullptr;
-        float* block = c + (o - p) * stride + 16 * g;
-        if (rv == 4) f32_block<4, 4>(pb, o, p_end, g, block, stride, ahead);
-        else if (rv >= 2) f32_block<8, 2>(pb, o, p_end, g, block, stride, ahead);
-        else f32_block<16, 1>(pb, o, p_end, g, block, stride, ahead);
-      }
-      g += rv == 4 ? 4 : rv >= 2 ? 2 : 1;
-    }
-    for (int64_t o = p; o < p_end; o += 16) {  // c's 16 x 16 squares, transposed: y's rows
-      const __mmask16 columns =
-          static_cast<__mmask16>((1u << std::min<int64_t>(16, p_end - o)) - 1);
-      for (int64_t g = 0; g < groups; ++g) {
-        __m512 t[16];
-        const float* square = c + (o - p) * stride + 16 * g;
-        for (int n = 0; n < 16; ++n) t[n] = _mm512_load_ps(square + n * stride);
-        transpose16(t);
-        for (int64_t m = 0, r = 16 * g; m < 16 && r < pb.rows; ++m, ++r) {
-          const int64_t i = r * pb.out + o;
-          if (pb.residual)
-            t[m] = _mm512_add_ps(_mm512_maskz_loadu_ps(columns, pb.residual + i), t[m]);
-          _mm512_mask_storeu_ps(pb.y + i, columns, t[m]);
+  float* c = aligned_floats(buffer, kF32Panel * 32);  // c: [panel row][x row of the pass]
+  const int64_t groups = (pb.rows + 15) / 16;
+  const int64_t stretch =
+      std::max(kF32Panel, kF32StretchBytes / pb.row_bytes / kF32Panel * kF32Panel);
+  for (int64_t s = o_begin; s < o_end; s += stretch) {
+    const int64_t s_end = std::min(o_end, s + stretch);
+    for (int64_t g = 0; g < groups; g += 2) {  // a pass: x rows [16 g, 16 g + 32)
+      const int64_t rv = std::min<int64_t>(groups - g, 2);
+      for (int64_t p = s; p < s_end; p += kF32Panel) {
+        const int64_t p_end = std::min(s_end, p + kF32Panel);
+        for (int64_t o = p; o < p_end; o += 16) {
+          const char* ahead = g == 0 ? pb.w + (o + 16) * pb.row_bytes : nullptr;
+          float* block = c + (o - p) * 32;
+          if (rv == 2) f32_block<8, 2>(pb, o, p_end, g, block, ahead);
+          else f32_block<16, 1>(pb, o, p_end, g, block, ahead);
+        }
+        for (int64_t o = p; o < p_end; o += 16) {  // c's 16 x 16 squares, transposed: y's rows
+          const __mmask16 columns =
+              static_cast<__mmask16>((1u << std::min<int64_t>(16, p_end - o)) - 1);
+          for (int64_t v = 0; v < rv; ++v) {
+            __m512 t[16];
+            const float* square = c + (o - p) * 32 + 16 * v;
+            for (int n = 0; n < 16; ++n) t[n] = _mm512_load_ps(square + n * 32);
+            transpose16(t);
+            for (int64_t m = 0, r = 16 * (g + v); m < 16 && r < pb.rows; ++m, ++r) {
+              const int64_t i = r * pb.out + o;
+              if (pb.residual)
+                t[m] = _mm512_add_ps(_mm512_maskz_loadu_ps(columns, pb.residual + i), t[m]);
+              _mm512_mask_storeu_ps(pb.y + i, columns, t[m]);
+            }
+          }
         }
       }
     }
