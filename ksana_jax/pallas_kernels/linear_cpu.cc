@@ -270,6 +270,27 @@ void f32_block(const Problem& pb, int64_t o, int64_t o_end, int64_t g, float* c,
   }
 }
 
+// A panel's sums in c (weight rows [p, p_end), x rows [16 g, 16 (g + rv))) to y (plus the
+// residual): c's 16 x 16 squares, transposed, are y's rows.
+void store_panel_f32(const Problem& pb, const float* c, int64_t p, int64_t p_end, int64_t g,
+                     int64_t rv) {
+  for (int64_t o = p; o < p_end; o += 16) {
+    const __mmask16 columns = static_cast<__mmask16>((1u << std::min<int64_t>(16, p_end - o)) - 1);
+    for (int64_t v = 0; v < rv; ++v) {
+      __m512 t[16];
+      const float* square = c + (o - p) * 32 + 16 * v;
+      for (int n = 0; n < 16; ++n) t[n] = _mm512_load_ps(square + n * 32);
+      transpose16(t);
+      for (int64_t m = 0, r = 16 * (g + v); m < 16 && r < pb.rows; ++m, ++r) {
+        const int64_t i = r * pb.out + o;
+        if (pb.residual)
+          t[m] = _mm512_add_ps(_mm512_maskz_loadu_ps(columns, pb.residual + i), t[m]);
+        _mm512_mask_storeu_ps(pb.y + i, columns, t[m]);
+      }
+    }
+  }
+}
+
 // Weight rows [o_begin, o_end) of a float32 product, results (plus the residual) to y.
 void run_rows_f32(const Problem& pb, int64_t o_begin, int64_t o_end) {
   static thread_local std::vector<float> buffer;
@@ -289,22 +310,7 @@ void run_rows_f32(const Problem& pb, int64_t o_begin, int64_t o_end) {
           if (rv == 2) f32_block<8, 2>(pb, o, p_end, g, block, ahead);
           else f32_block<16, 1>(pb, o, p_end, g, block, ahead);
         }
-        for (int64_t o = p; o < p_end; o += 16) {  // c's 16 x 16 squares, transposed: y's rows
-          const __mmask16 columns =
-              static_cast<__mmask16>((1u << std::min<int64_t>(16, p_end - o)) - 1);
-          for (int64_t v = 0; v < rv; ++v) {
-            __m512 t[16];
-            const float* square = c + (o - p) * 32 + 16 * v;
-            for (int n = 0; n < 16; ++n) t[n] = _mm512_load_ps(square + n * 32);
-            transpose16(t);
-            for (int64_t m = 0, r = 16 * (g + v); m < 16 && r < pb.rows; ++m, ++r) {
-              const int64_t i = r * pb.out + o;
-              if (pb.residual)
-                t[m] = _mm512_add_ps(_mm512_maskz_loadu_ps(columns, pb.residual + i), t[m]);
-              _mm512_mask_storeu_ps(pb.y + i, columns, t[m]);
-            }
-          }
-        }
+        store_panel_f32(pb, c, p, p_end, g, rv);
       }
     }
   }
