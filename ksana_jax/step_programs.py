@@ -121,7 +121,9 @@ def _next_tokens(inputs: StepInputs, rows: RowInputs) -> jax.Array:
 class Forwarded:
     """What the forward program leaves on the device for the sampling and scoring programs."""
 
-    logits: jax.Array  # f32[W, V]  each sampled position's logits (past those in use: 0)
+    # f32[W, V]  each sampled position's logits (past those in use: 0); undefined where
+    # RowInputs.samples_greedily and the LM head's call took the argmax (on the CPU kernel)
+    logits: jax.Array
     next_tokens: jax.Array  # i32[W]  the token after each sampled position (its proposal)
     token_ids: jax.Array  # i32[T]  the tokens the step fed (placeholders filled)
     scored_hidden: jax.Array  # f32[Q, D]  the final hidden states RowInputs scores
@@ -154,11 +156,12 @@ def _forward(
     RowInputs scores. It loops on nothing and branches only where that costs no sync (see
     sampling.py: a GPU would wait for the work queued before it): what varies from step to
     step on the host's knowledge is static in RowInputs. Where RowInputs.samples_greedily,
-    it samples the step too (the argmax of each row: SamplerPlan.GREEDY) and advances the
-    slots' last tokens, so the next step's forward follows this one directly: on XLA:CPU a
-    second program cost a batch-1 step 0.2-0.3 ms (runner.py; `_greedy_step`). With
-    a draft model (draft.py) the draft first fills the drafted slots (in a step where some
-    row drafts), then computes the step's tokens on its own KV."""
+    it samples the step too (the argmax of each row: SamplerPlan.GREEDY; on the CPU kernel,
+    in the LM head's own call: registry.logits_or_argmax) and advances the slots' last
+    tokens, so the next step's forward follows this one directly: on XLA:CPU a second
+    program cost a batch-1 step 0.2-0.3 ms (runner.py; `_greedy_step`). With a draft model
+    (draft.py) the draft first fills the drafted slots (in a step where some row drafts),
+    then computes the step's tokens on its own KV."""
     inputs, sampling, rows = unpack(buffers, layout)[:3]
     page_table = rows.page_writes.apply(state.page_table)
     fed = state.last_token.at[rows.last_token_slots].get(mode="fill", fill_value=-1)
@@ -174,14 +177,16 @@ def _forward(
             )
         draft_kv = draft.catch_up(draft_params, draft_cfg, draft_kv, inputs, backend)
     hidden, kv = registry.forward(params, cfg, kv, inputs, backend)
-    logits = _on_used_positions(
+    logits, head_tokens = _on_used_positions(
         rows,
-        lambda size, hidden: registry.logits(params, cfg, hidden[rows.sample_token_slots[:size]]),
+        lambda size, hidden: registry.logits_or_argmax(
+            params, cfg, hidden[rows.sample_token_slots[:size]], rows.samples_greedily
+        ),
         hidden,
     )
     next_tokens = _next_tokens(inputs, rows)
     greedy_tokens, last_token = _greedy_step(
-        logits, next_tokens, rows, sampling, state, max_logprobs
+        logits, head_tokens, next_tokens, rows, sampling, state, max_logprobs
     )
     out = Forwarded(
         logits,
@@ -200,6 +205,7 @@ def _forward(
 
 def _greedy_step(
     logits: jax.Array,
+    head_tokens: jax.Array | None,
     next_tokens: jax.Array,
     rows: RowInputs,
     sampling: SamplingInputs,
@@ -210,9 +216,15 @@ def _greedy_step(
     the GREEDY sampling program would give them) and the slots' last tokens after them;
     otherwise (zeros, the last tokens unchanged) -- the sampling program follows. A
     conditional on CPU and TPU; on a GPU, where one costs a sync, the argmax always runs (a
-    sampling program that follows overwrites every slot it wrote)."""
+    sampling program that follows overwrites every slot it wrote). `head_tokens`: the
+    argmax the LM head's call took (registry.logits_or_argmax; the logits are undefined
+    then), or None."""
 
     def greedy(last_token: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if head_tokens is not None:
+            return head_tokens, _with_last_tokens(
+                last_token, head_tokens, next_tokens, rows, sampling.slots
+            )
         sampled = _on_used_positions(
             rows,
             lambda size, logits: sample(

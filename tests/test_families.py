@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from checkpoints_tools import ConversionError, convert, read_source
 from ksana_jax.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from ksana_jax.kv_cache import KVCacheSpec, allocate_kv
 from ksana_jax.models import registry
+from ksana_jax.pallas_kernels import linear_cpu
 from ksana_jax.step import logits_step
 from ksana_jax.step_inputs import SequenceChunk, build_step_inputs
 
@@ -109,6 +111,31 @@ def test_bfloat16_params_stay_close(converted):
     want = model.logits(PROMPT)
     got = model.with_dtype("bfloat16").logits(PROMPT)
     assert 1e-6 < np.abs(got - want).max() < 0.1
+
+
+def test_lm_head_argmax_is_the_first_max_of_the_logits(converted):
+    """registry.logits_or_argmax, the forward's LM head: its logits are registry.logits';
+    where the family's logits are its LM head's product (Family.lm_head: not Gemma's, which
+    are soft-capped) and the CPU kernel takes it, the argmax from that call is the first
+    largest logit of each row, and otherwise there is none."""
+    case, _, model = converted
+    cfg, params = model.config, model.params
+    rng = np.random.default_rng(1)
+    hidden = jnp.asarray(rng.standard_normal((8, cfg.hidden_size)), jnp.float32)
+    logits = np.asarray(jax.jit(registry.logits, static_argnums=1)(params, cfg, hidden))
+    head = jax.jit(registry.logits_or_argmax, static_argnums=1)
+    got, _ = head(params, cfg, hidden, jnp.bool_(False))
+    np.testing.assert_array_equal(got, logits)
+    _, ids = head(params, cfg, hidden, jnp.bool_(True))
+    family = registry.family_of(cfg.model_type)
+    assert (family.lm_head is None) == case.startswith("gemma")
+    if family.lm_head is None:
+        assert ids is None
+        return
+    assert (ids is not None) == linear_cpu.takes(hidden, family.lm_head(params))
+    assert (ids is not None) == linear_cpu.available()  # float32 at 8 rows: the kernel's
+    if ids is not None:
+        np.testing.assert_array_equal(ids, np.argmax(logits, axis=1))
 
 
 def test_config_json_round_trips(converted):

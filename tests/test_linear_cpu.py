@@ -542,3 +542,54 @@ def test_a_layer_view_of_stacked_matrices_equals_its_own_matrix(fmt):
     past = dataclasses.replace(stacked, layer=3)
     with pytest.raises(Exception, match="layer out of range"):
         jax.block_until_ready(jax.jit(linear_cpu.linear)(one_row, past))
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int8_q8_0_bf16", "int4_bf16"])
+def test_argmax_in_the_call_is_the_first_max_of_its_product(fmt):
+    """linear_argmax (greedy decoding's LM head): where argmax_if holds, its ids are the
+    first largest element of each row of `linear`'s product (np.argmax), on the caller and
+    with the weight's rows in work items over the pool, at 1-64 rows (every path: float32's
+    panels and stretches, AMX tiles and their tail rows, the quantized paths). The weight is
+    three copies of one, so each row's largest sum comes three times over: the first copy's
+    must win. Where argmax_if does not hold, y is `linear`'s product and ids are zero. A row
+    of NaN gives 0."""
+    rng = np.random.default_rng(11)
+    inp = 96 if fmt in ("int8_q8_0_bf16", "int4_bf16") else 576
+    for copy in (330, 7):
+        w = jax.tree.map(lambda a: jnp.concatenate([a] * 3), weight(rng, fmt, copy, inp))
+        for parallel_bytes in (1 << 40, 0):  # the caller alone; shared over the pool
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(linear_cpu, "PARALLEL_BYTES", parallel_bytes)
+                product = jax.jit(lambda x, w: linear_cpu.linear(x, w))  # traced anew
+                fused = jax.jit(lambda x, w, a: linear_cpu.linear_argmax(x, w, a))
+                for rows in (1, 2, 5, 16, 17, 33, 64):
+                    x = jnp.asarray(rng.standard_normal((rows, inp)), jnp.float32)
+                    y = np.asarray(product(x, w))
+                    ids = np.asarray(fused(x, w, jnp.bool_(True))[1])
+                    np.testing.assert_array_equal(ids, np.argmax(y, axis=1))
+                    exact = y.max(axis=1) == y[np.arange(rows), ids % copy]
+                    assert np.all(ids[exact] < copy), (rows, ids)  # ties keep the first
+                    y_off, ids_off = fused(x, w, jnp.bool_(False))
+                    np.testing.assert_array_equal(y_off, y)
+                    np.testing.assert_array_equal(ids_off, np.zeros(rows, np.int32))
+    x = jnp.asarray(rng.standard_normal((3, inp)), jnp.float32).at[1].set(jnp.nan)
+    ids = np.asarray(jax.jit(linear_cpu.linear_argmax)(x, w, jnp.bool_(True))[1])
+    assert ids[1] == 0 and ids[0] == np.argmax(np.asarray(jax.jit(linear_cpu.linear)(x, w))[0])
+
+
+def test_lm_head_folds_the_argmax_into_the_kernels_call_only():
+    """layers.lm_head is one call of the argmax kernel where `linear` takes the kernel (its
+    logits then that call's y), and `linear`'s product with no ids past the kernel's rows;
+    linear_argmax refuses an argmax_if that is not a bool scalar."""
+    rng = np.random.default_rng(12)
+    w = weight(rng, "bfloat16", 40, 64)
+    flag = jnp.bool_(False)
+    for rows, fused in ((3, True), (linear_cpu.MAX_ROWS["bfloat16"] + 1, False)):
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        hlo = jax.jit(layers.lm_head).lower(x, w, flag).as_text()
+        assert hlo.count(f"@{linear_cpu.ARGMAX_TARGET}(") == fused
+        logits, ids = jax.jit(layers.lm_head)(x, w, flag)
+        assert (ids is not None) == fused
+        np.testing.assert_array_equal(logits, jax.jit(layers.linear)(x, w))
+    with pytest.raises(ValueError, match="argmax_if"):
+        linear_cpu.linear_argmax(x[:3], w, jnp.zeros(1, bool))

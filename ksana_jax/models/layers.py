@@ -77,6 +77,19 @@ def linear(
     return y if residual is None else residual + y
 
 
+def lm_head(
+    x: jax.Array, w: jax.Array | quant.QuantizedMatrix, argmax_if: jax.Array
+) -> tuple[jax.Array, jax.Array | None]:
+    """The logits `linear(x, w)` f32[R, V] and, where the CPU kernel takes the product, each
+    row's first largest logit i32[R] from the same call (linear_cpu.linear_argmax): where
+    `argmax_if` (bool[]) holds, the kernel folds its sums into each row's maximum and never
+    writes the logits (undefined then), so greedy decoding neither stores them nor reads
+    them again. Elsewhere (logits, None): the sampler takes the argmax."""
+    if linear_cpu.takes(x, w):
+        return linear_cpu.linear_argmax(x, w, argmax_if)
+    return linear(x, w), None
+
+
 def _product(x: jax.Array, w: jax.Array | quant.QuantizedMatrix, b: jax.Array | None) -> jax.Array:
     """`linear` off the CPU kernel: x f32[..., I] . w^T (+ b)."""
     if quant_matmul.supports(platform := jax.default_backend(), x, w):

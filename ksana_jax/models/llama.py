@@ -324,10 +324,14 @@ def forward(
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
 
 
+def lm_head(params: Params) -> jax.Array:
+    """The LM head [V, D]: a separate one, or the embeddings when tied."""
+    return params.get("lm_head", params["embed"])
+
+
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """Vocabulary logits f32[R, V] of hidden states f32[R, D] (a separate LM head [V, D], or
-    the embeddings [V, D] when tied)."""
-    return linear(hidden, params.get("lm_head", params["embed"]))
+    """Vocabulary logits f32[R, V] of hidden states f32[R, D]."""
+    return linear(hidden, lm_head(params))
 
 
 FAMILY = Family(
@@ -348,5 +352,6 @@ FAMILY = Family(
     gguf_layer=GGUF_LAYER,
     forward=forward,
     logits=logits,
+    lm_head=lm_head,
     from_gguf=from_gguf,
 )

@@ -110,6 +110,7 @@ FAMILY = Family(
     gguf_layer=GGUF_LAYER,
     forward=llama.forward,
     logits=llama.logits,
+    lm_head=llama.lm_head,
     from_gguf=from_gguf,
     param_layers=moe.param_layers,
     gguf_claims=is_llama_with_experts,

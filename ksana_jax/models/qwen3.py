@@ -63,4 +63,5 @@ FAMILY = Family(
     gguf_layer=llama.GGUF_LAYER,
     forward=llama.forward,
     logits=llama.logits,
+    lm_head=llama.lm_head,
 )

@@ -98,5 +98,6 @@ FAMILY = Family(
     gguf_layer=llama.GGUF_LAYER | _EXPERTS_GGUF,
     forward=llama.forward,
     logits=llama.logits,
+    lm_head=llama.lm_head,
     param_layers=moe.param_layers,
 )

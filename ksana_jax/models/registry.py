@@ -98,6 +98,10 @@ class Family:
     # is another family's (llama.cpp writes Mixtral as a `llama` with experts). A file that
     # one family claims goes to it; one no family claims goes by its architecture.
     gguf_claims: Callable[[Mapping[str, Any]], bool] = lambda metadata: False
+    # params -> the LM head's weight [V, D] where the logits are its product with the hidden
+    # states and nothing more (`logits_or_argmax` may then fold greedy decoding's argmax into
+    # that product); None where they are more (Gemma's soft-capping).
+    lm_head: Callable[[Params], Any] | None = None
 
     def architecture(self, model_type: str) -> str:
         return self.architectures[model_type][0]
@@ -386,3 +390,18 @@ def attention_specs(cfg: ModelConfig) -> tuple[AttentionSpec, ...]:
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Vocabulary logits f32[R, V] of final hidden states f32[R, D]."""
     return family_of(cfg.model_type).logits(params, cfg, hidden)
+
+
+def logits_or_argmax(
+    params: Params, cfg: ModelConfig, hidden: jax.Array, argmax_if: jax.Array
+) -> tuple[jax.Array, jax.Array | None]:
+    """`logits` and, where the family's logits are its LM head's product (Family.lm_head)
+    and the CPU kernel takes it, each row's first largest logit i32[R] from the same call:
+    where `argmax_if` (bool[]) holds, the logits are then undefined (never written;
+    layers.lm_head). Otherwise (logits, None)."""
+    from ksana_jax.models.layers import lm_head  # layers imports the kernels
+
+    family = family_of(cfg.model_type)
+    if family.lm_head is None:
+        return family.logits(params, cfg, hidden), None
+    return lm_head(hidden, family.lm_head(params), argmax_if)

@@ -217,6 +217,22 @@ inline void transpose16(__m512* r) {
   }
 }
 
+// Sums sums[n * stride + lane] (weight row o + n, x row r0 + lane), n < count, folded into
+// the item's maxima of x rows [r0, r0 + 16): Argmax::fold, 16 rows a vector.
+inline void fold16(const Argmax& best, const float* sums, int64_t stride, int64_t count,
+                   int64_t o, int64_t r0) {
+  __m512 value = _mm512_loadu_ps(best.value + r0);
+  __m512i index = _mm512_loadu_si512(best.index + r0);
+  for (int64_t n = 0; n < count; ++n) {
+    const __m512 v = _mm512_loadu_ps(sums + n * stride);
+    const __mmask16 larger = _mm512_cmp_ps_mask(v, value, _CMP_GT_OQ);
+    value = _mm512_mask_mov_ps(value, larger, v);
+    index = _mm512_mask_mov_epi32(index, larger, _mm512_set1_epi32(static_cast<int32_t>(o + n)));
+  }
+  _mm512_storeu_ps(best.value + r0, value);
+  _mm512_storeu_si512(best.index + r0, index);
+}
+
 // float32 weights, at 2-64 rows (linear_cpu.py's MIN_ROWS, MAX_ROWS): y[r][o] sums x[r][k]
 // w[o][k] one column at a time, a multiply-add each from zero, in column order -- so a row's
 // sums do not depend on the rows beside it, and they are XLA's own where its dot sums the
@@ -271,9 +287,13 @@ void f32_block(const Problem& pb, int64_t o, int64_t o_end, int64_t g, float* c,
 }
 
 // A panel's sums in c (weight rows [p, p_end), x rows [16 g, 16 (g + rv))) to y (plus the
-// residual): c's 16 x 16 squares, transposed, are y's rows.
+// residual): c's 16 x 16 squares, transposed, are y's rows. Or into `best`.
 void store_panel_f32(const Problem& pb, const float* c, int64_t p, int64_t p_end, int64_t g,
-                     int64_t rv) {
+                     int64_t rv, const Argmax& best) {
+  if (best.value) {
+    for (int64_t v = 0; v < rv; ++v) fold16(best, c + 16 * v, 32, p_end - p, p, 16 * (g + v));
+    return;
+  }
   for (int64_t o = p; o < p_end; o += 16) {
     const __mmask16 columns = static_cast<__mmask16>((1u << std::min<int64_t>(16, p_end - o)) - 1);
     for (int64_t v = 0; v < rv; ++v) {
@@ -291,8 +311,9 @@ void store_panel_f32(const Problem& pb, const float* c, int64_t p, int64_t p_end
   }
 }
 
-// Weight rows [o_begin, o_end) of a float32 product, results (plus the residual) to y.
-void run_rows_f32(const Problem& pb, int64_t o_begin, int64_t o_end) {
+// Weight rows [o_begin, o_end) of a float32 product, results (plus the residual) to y, or
+// into `best`.
+void run_rows_f32(const Problem& pb, int64_t o_begin, int64_t o_end, const Argmax& best) {
   static thread_local std::vector<float> buffer;
   float* c = aligned_floats(buffer, kF32Panel * 32);  // c: [panel row][x row of the pass]
   const int64_t groups = (pb.rows + 15) / 16;
@@ -310,7 +331,7 @@ void run_rows_f32(const Problem& pb, int64_t o_begin, int64_t o_end) {
           if (rv == 2) f32_block<8, 2>(pb, o, p_end, g, block, ahead);
           else f32_block<16, 1>(pb, o, p_end, g, block, ahead);
         }
-        store_panel_f32(pb, c, p, p_end, g, rv);
+        store_panel_f32(pb, c, p, p_end, g, rv, best);
       }
     }
   }
@@ -339,7 +360,7 @@ const float* transpose_x(const float* x, int64_t rows, int64_t in, std::vector<f
 }
 #else
 constexpr bool kF32Path = false;
-inline void run_rows_f32(const Problem&, int64_t, int64_t) {}
+inline void run_rows_f32(const Problem&, int64_t, int64_t, const Argmax&) {}
 inline const float* transpose_x(const float*, int64_t, int64_t, std::vector<float>&) {
   return nullptr;
 }
@@ -414,9 +435,10 @@ void amx_tiles(const Problem& pb, int64_t o, int64_t g0, float (*c)[16][16]) {
 }
 
 // Weight rows from o_begin in whole 16s up to o_end on AMX tiles, results (plus the
-// residual) to y; returns where it stopped (the rows after it take the other paths). The
-// thread's tile configuration is put back after (XLA's own AMX kernels may run here).
-int64_t run_rows_amx(const Problem& pb, int64_t o_begin, int64_t o_end) {
+// residual) to y, or into `best`; returns where it stopped (the rows after it take the other
+// paths). The thread's tile configuration is put back after (XLA's own AMX kernels may run
+// here).
+int64_t run_rows_amx(const Problem& pb, int64_t o_begin, int64_t o_end, const Argmax& best) {
   TileConfig saved, config;
   _tile_storeconfig(&saved);
   config.palette = 1;
@@ -434,6 +456,10 @@ int64_t run_rows_amx(const Problem& pb, int64_t o_begin, int64_t o_end) {
       // 16 (g0 + g) + m at columns o + 16 b.
       for (int b = 0; b < nb; ++b)
         for (int g = 0; g < (two ? 2 : 1); ++g) {
+          if (best.value) {
+            fold16(best, c[2 * b + g][0], 16, 16, o + 16 * b, 16 * (g0 + g));
+            continue;
+          }
           __m512 v[16];
           for (int n = 0; n < 16; ++n) v[n] = _mm512_load_ps(c[2 * b + g][n]);
           transpose16(v);
@@ -471,7 +497,9 @@ void pack_x_amx(const Problem& pb, std::vector<uint16_t>& out) {
 constexpr int64_t kAmxFromRows = 8;
 inline bool amx_permitted() { return false; }
 inline bool amx_rows(const Problem&) { return false; }
-inline int64_t run_rows_amx(const Problem&, int64_t o_begin, int64_t) { return o_begin; }
+inline int64_t run_rows_amx(const Problem&, int64_t o_begin, int64_t, const Argmax&) {
+  return o_begin;
+}
 inline void pack_x_amx(const Problem&, std::vector<uint16_t>&) {}
 #endif
 
@@ -484,8 +512,15 @@ inline bool direct(const Problem& pb) {
   }
 }
 
-// Results [o, o + block) of every row from the block's sums, plus the residual's.
-inline void store_block(const Problem& pb, int64_t o, int64_t block, const float* acc) {
+// Results [o, o + block) of every row from the block's sums, plus the residual's; or the
+// sums into `best`.
+inline void store_block(const Problem& pb, int64_t o, int64_t block, const float* acc,
+                        const Argmax& best) {
+  if (best.value) {
+    for (int64_t r = 0; r < pb.rows; ++r)
+      for (int64_t j = 0; j < block; ++j) best.fold(r, o + j, acc[r * kOutBlock + j]);
+    return;
+  }
   for (int64_t r = 0; r < pb.rows; ++r)
     for (int64_t j = 0; j < block; ++j) {
       const int64_t i = r * pb.out + o + j;
@@ -493,21 +528,21 @@ inline void store_block(const Problem& pb, int64_t o, int64_t block, const float
     }
 }
 
-// One work item: weight rows [o_begin, o_end).
-void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
+// One work item: weight rows [o_begin, o_end), its sums to y or (LinearArgmax) into `best`.
+void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end, const Argmax& best) {
   alignas(64) static thread_local float w[kOutBlock * kChunk];
   static thread_local std::vector<float> acc;
-  if (pb.x_t != nullptr) return run_rows_f32(pb, o_begin, o_end);
+  if (pb.x_t != nullptr) return run_rows_f32(pb, o_begin, o_end, best);
   acc.resize(pb.rows * kOutBlock);
   const int64_t full = pb.rows - pb.rows % kRowTile;
-  if (amx_rows(pb)) o_begin = run_rows_amx(pb, o_begin, o_end);
+  if (amx_rows(pb)) o_begin = run_rows_amx(pb, o_begin, o_end, best);
   for (int64_t o = o_begin; o < o_end; o += kOutBlock) {
     const int64_t block = std::min<int64_t>(kOutBlock, o_end - o);
     std::fill(acc.begin(), acc.end(), 0.0f);
     if (direct(pb)) {
       if (pb.kind == Kind::kBF16) block_bf16(pb, o, block, acc.data());
       else block_quant(pb, o, block, acc.data());
-      store_block(pb, o, block, acc.data());
+      store_block(pb, o, block, acc.data(), best);
       continue;
     }
     for (int64_t k0 = 0; k0 < pb.in; k0 += kChunk) {
@@ -522,15 +557,17 @@ void run_rows(const Problem& pb, int64_t o_begin, int64_t o_end) {
         tile_dot<1>(pb.x + r * pb.x_stride + k0, pb.x_stride, w, n_pad,
                     acc.data() + r * kOutBlock);
     }
-    store_block(pb, o, block, acc.data());
+    store_block(pb, o, block, acc.data(), best);
   }
 }
 
 // The product's rows as work items, parallel (cpu_pool.h) when the weight's bytes reach
-// `parallel_bytes`.
+// `parallel_bytes`; for LinearArgmax, each with its own Argmax (pb.argmax).
 void run_items(ffi::ThreadPool& pool, const Problem& pb, int64_t parallel_bytes) {
+  auto best = [&pb](int64_t i) { return pb.argmax ? pb.argmax->item(i) : Argmax{}; };
   if (pb.weight_bytes < parallel_bytes) {  // the caller alone: no shared state to set up
-    run_rows(pb, 0, pb.out);
+    if (pb.argmax) pb.argmax->reset(1, pb.rows);
+    run_rows(pb, 0, pb.out, best(0));
     return;
   }
   const ksana_cpu_pool::SpinPool& spin_pool = ksana_cpu_pool::SpinPool::get();
@@ -556,10 +593,11 @@ void run_items(ffi::ThreadPool& pool, const Problem& pb, int64_t parallel_bytes)
   auto whole = [block](int64_t n) { return (n + block - 1) / block * block; };
   const int64_t rows = whole((pb.out + workers * per_worker - 1) / (workers * per_worker));
   const int64_t n = (pb.out + rows - 1) / rows;
+  if (pb.argmax) pb.argmax->reset(n, pb.rows);
   // Spinning for the next call: the kernel serves decode's few rows, where the products
   // follow each other with only small single-threaded thunks between them.
   ksana_cpu_pool::run_on_pool(pool, n, /*spin=*/!f32, [&](int64_t i) {
-    run_rows(pb, i * rows, std::min(pb.out, (i + 1) * rows));
+    run_rows(pb, i * rows, std::min(pb.out, (i + 1) * rows), best(i));
   });
 }
 
@@ -713,14 +751,13 @@ const float* gate_rows(const float* x, int64_t rows, int64_t in, Gate gate,
   return out;
 }
 
-// y f32[R, O] = residual + rms_norm(x) . W^T, the norm (a weight [I]) and the residual
-// ([R, O]) each optional (an empty array: none); with a `gate`, x [R, 2I] holds (gate, up)
-// pairs and the product's input is act(gate) * up (gate_rows).
-ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                  ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::AnyBuffer norm,
-                  ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> y, bool bf16,
-                  int64_t parallel_bytes, float norm_eps, float norm_offset, int32_t gate,
-                  int64_t layer) {
+// The call's Problem in scratch.problem, x prepared as its weight's path reads it, from the
+// operands both handlers take (`residual`: null or empty for none); y and the argmax are the
+// handler's to set.
+ffi::Error prepare(Scratch& scratch, const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& w,
+                   const ffi::AnyBuffer& scales, const ffi::AnyBuffer& mins,
+                   const ffi::AnyBuffer& norm, const ffi::Buffer<ffi::F32>* residual, bool bf16,
+                   float norm_eps, float norm_offset, int32_t gate, int64_t layer) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return ffi::Error::InvalidArgument("x must be a matrix");
   if (gate < 0 || gate > 2) return ffi::Error::InvalidArgument("gate must be 0, 1 or 2");
@@ -728,27 +765,19 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   if (act != Gate::kNone && x_dims[1] % 2)
     return ffi::Error::InvalidArgument("a gated x must be [R, 2I]: (gate, up) pairs");
   const int64_t in = act == Gate::kNone ? x_dims[1] : x_dims[1] / 2;
-  // The call's scratch, kept per thread: a decode step makes ~120 calls of 10-100 us, and
-  // their allocations (and frees) were ~5% of its samples. The problem lives there too, not
-  // on this stack: the pool's threads read it while this thread works beside it.
-  static thread_local Scratch scratch;
   Problem& pb = scratch.problem;
   pb = Problem{};
   ffi::Error error = weight_problem(w, scales, mins, x_dims[0], in, bf16, layer, pb);
   if (error.failure()) return error;
-  const auto y_dims = y->dimensions();
-  if (y_dims.size() != 2 || y_dims[0] != pb.rows || y_dims[1] != pb.out)
-    return ffi::Error::InvalidArgument("y must be [R, O]");
-  pb.y = y->typed_data();
   const bool normed = norm.element_count() > 0;
   if (normed && (norm.dimensions().size() != 1 || norm.dimensions()[0] != pb.in ||
                  (norm.element_type() != ffi::F32 && norm.element_type() != ffi::BF16)))
     return ffi::Error::InvalidArgument("norm must be [I] float32 / bfloat16, or empty");
-  if (residual.element_count() > 0) {
-    const auto r_dims = residual.dimensions();
+  if (residual != nullptr && residual->element_count() > 0) {
+    const auto r_dims = residual->dimensions();
     if (r_dims.size() != 2 || r_dims[0] != pb.rows || r_dims[1] != pb.out)
       return ffi::Error::InvalidArgument("residual must be [R, O] or empty");
-    pb.residual = residual.typed_data();
+    pb.residual = residual->typed_data();
   }
   if (pb.kind == Kind::kInt8) {
     std::vector<int32_t>& vector_group = scratch.vector_group;
@@ -801,7 +830,63 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
       }
     pb.x = padded.data();
   }
+  return ffi::Error::Success();
+}
+
+// The call's scratch, kept per thread: a decode step makes ~120 calls of 10-100 us, and
+// their allocations (and frees) were ~5% of its samples. The problem lives there too, not
+// on this stack: the pool's threads read it while this thread works beside it.
+thread_local Scratch call_scratch;
+
+ffi::Error check_y(const Problem& pb, ffi::ResultBuffer<ffi::F32>& y) {
+  const auto y_dims = y->dimensions();
+  if (y_dims.size() != 2 || y_dims[0] != pb.rows || y_dims[1] != pb.out)
+    return ffi::Error::InvalidArgument("y must be [R, O]");
+  return ffi::Error::Success();
+}
+
+// y f32[R, O] = residual + rms_norm(x) . W^T, the norm (a weight [I]) and the residual
+// ([R, O]) each optional (an empty array: none); with a `gate`, x [R, 2I] holds (gate, up)
+// pairs and the product's input is act(gate) * up (gate_rows).
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                  ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::AnyBuffer norm,
+                  ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> y, bool bf16,
+                  int64_t parallel_bytes, float norm_eps, float norm_offset, int32_t gate,
+                  int64_t layer) {
+  Problem& pb = call_scratch.problem;
+  ffi::Error error = prepare(call_scratch, x, w, scales, mins, norm, &residual, bf16, norm_eps,
+                             norm_offset, gate, layer);
+  if (error.failure()) return error;
+  if (error = check_y(pb, y); error.failure()) return error;
+  pb.y = y->typed_data();
+  if (pb.rows > 0) run_items(pool, pb, parallel_bytes);
+  return ffi::Error::Success();
+}
+
+// An LM head and the argmax of its product (greedy decoding) in one call: where `argmax_if`
+// holds, ids i32[R] = each row's first largest sum of rms_norm(x) . W^T, folded as the sums
+// come (no row of y is written: y is left as it was); otherwise y f32[R, O] is that product,
+// as Linear's (ids zero). The sums are Linear's, so its ids are y's first maxima.
+ffi::Error LinearArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                        ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::AnyBuffer norm,
+                        ffi::Buffer<ffi::PRED> argmax_if, ffi::ResultBuffer<ffi::F32> y,
+                        ffi::ResultBuffer<ffi::S32> ids, bool bf16, int64_t parallel_bytes,
+                        float norm_eps, float norm_offset, int64_t layer) {
+  static thread_local ArgmaxItems items;
+  Problem& pb = call_scratch.problem;
+  ffi::Error error = prepare(call_scratch, x, w, scales, mins, norm, nullptr, bf16, norm_eps,
+                             norm_offset, 0, layer);
+  if (error.failure()) return error;
+  if (error = check_y(pb, y); error.failure()) return error;
+  if (argmax_if.element_count() != 1 || ids->element_count() != pb.rows)
+    return ffi::Error::InvalidArgument("argmax_if must be one bool and ids [R]");
+  pb.y = y->typed_data();
+  std::fill_n(ids->typed_data(), pb.rows, 0);
+  if (pb.rows == 0) return ffi::Error::Success();
+  const bool argmax = *argmax_if.typed_data();
+  if (argmax) pb.argmax = &items;
   run_items(pool, pb, parallel_bytes);
+  if (argmax) items.first_max(pb.rows, ids->typed_data());
   return ffi::Error::Success();
 }
 
@@ -825,3 +910,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaLinearCpu, Linear,
                                   .Attr<float>("norm_offset")
                                   .Attr<int32_t>("gate")  // Gate: 0 none, 1 silu, 2 GELU
                                   .Attr<int64_t>("layer"));  // a stacked w's matrix
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaLinearArgmaxCpu, LinearArgmax,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [R, I]
+                                  .Arg<ffi::AnyBuffer>()  // w, as Linear's
+                                  .Arg<ffi::AnyBuffer>()  // scales, as Linear's
+                                  .Arg<ffi::AnyBuffer>()  // mins, as Linear's
+                                  .Arg<ffi::AnyBuffer>()  // norm [I] or [0]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // argmax_if []
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [R, O]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // ids [R]
+                                  .Attr<bool>("bf16")
+                                  .Attr<int64_t>("parallel_bytes")
+                                  .Attr<float>("norm_eps")
+                                  .Attr<float>("norm_offset")
+                                  .Attr<int64_t>("layer"));

@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
+#include <vector>
 
 // The direct paths (no dequantized scratch) are written for AVX-512 with BF16 (vdpbf16ps, and
 // VNNI's vpdpbusd: Zen 4 and 5, Cooper Lake, Sapphire Rapids) and, where those are missing,
@@ -181,6 +183,46 @@ struct Ahead {
 
 enum class Kind { kF32, kBF16, kInt8, kInt4 };
 
+// A work item's running argmax (LinearArgmax): for each x row r, the largest sum so far
+// (value[r]) and the first weight row giving it (index[r], -1 for none yet).
+struct Argmax {
+  float* value = nullptr;  // null: the item's sums go to y
+  int32_t* index = nullptr;
+
+  // Sum v of x row r and weight row o; an item meets its weight rows in order, so a tie
+  // keeps the first.
+  void fold(int64_t r, int64_t o, float v) const {
+    if (v > value[r]) value[r] = v, index[r] = static_cast<int32_t>(o);
+  }
+};
+
+// Every work item's Argmax, [items][stride] (stride: R rounded up to 16, so an item's part
+// starts a cache line after the one before it and a vector of 16 rows never leaves it).
+struct ArgmaxItems {
+  int64_t items = 0, stride = 0;
+  std::vector<float> value;
+  std::vector<int32_t> index;
+
+  void reset(int64_t n, int64_t rows) {
+    items = n, stride = (rows + 15) / 16 * 16;
+    value.assign(items * stride, -std::numeric_limits<float>::infinity());
+    index.assign(items * stride, -1);
+  }
+  Argmax item(int64_t i) { return {value.data() + i * stride, index.data() + i * stride}; }
+  // Each row's first largest sum over the items in order (weight row 0 where no sum is
+  // larger than -inf: a row of NaN or -inf), to ids[r].
+  void first_max(int64_t rows, int32_t* ids) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      float best = -std::numeric_limits<float>::infinity();
+      int32_t at = 0;
+      for (int64_t i = 0; i < items; ++i)
+        if (index[i * stride + r] >= 0 && value[i * stride + r] > best)
+          best = value[i * stride + r], at = index[i * stride + r];
+      ids[r] = at;
+    }
+  }
+};
+
 struct Problem {
   const float* x;  // [R, x_stride]: x, or a copy padded with zeros to a multiple of kLanes
   int64_t x_stride;
@@ -224,6 +266,7 @@ struct Problem {
   const float* x_t;
   float* y;        // [R, O]
   const float* residual;  // [R, O], added to y, or null
+  ArgmaxItems* argmax;  // LinearArgmax: the items' maxima instead of y (run_items); or null
 };
 
 // Element i of a float32 or float16 (`f16`) array of scales or minimums.
