@@ -44,7 +44,9 @@ module-level `FAMILY = registry.Family(...)`, which declares:
    decoder, which applies the q/k norms when `cfg.qk_norm`; a family with a different layer
    (gemma.py) writes its own loop over `registry.layer_params(params)` and calls
    `layers.paged_attention` once per layer, which writes the layer's K/V and attends with the
-   layer's `AttentionSpec` (scale, sliding window, soft-cap).
+   layer's `AttentionSpec` (scale, sliding window, soft-cap). Where the logits are the LM
+   head's product and nothing more, `lm_head(params)` names that weight: on CPU greedy
+   decoding then takes its argmax inside the product's call (`registry.logits_or_argmax`).
 
 Then add its cases to tests/family_models.py: tests/test_families.py checks the logits against
 transformers, the declarations against each other and the config round trip.
