@@ -86,6 +86,7 @@ def propose(
             positions=position,
             slot_ids=jnp.where(active, inputs.slot_ids[slot], sink_slot),
             page_table=inputs.page_table,
+            page_rows=inputs.page_rows,
             seq_lens=position + 1,
             query_starts=jnp.arange(num_seqs + 1, dtype=jnp.int32),
         )

@@ -22,7 +22,15 @@ from ksana_jax.kv_cache import SINK_PAGE
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["token_ids", "positions", "slot_ids", "page_table", "seq_lens", "query_starts"],
+    data_fields=[
+        "token_ids",
+        "positions",
+        "slot_ids",
+        "page_table",
+        "seq_lens",
+        "query_starts",
+        "page_rows",
+    ],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +43,9 @@ class StepInputs:
     #                                  leave it None: its step reads the device's (batch.py).
     seq_lens: jax.Array  # i32[S]     cached + new tokens after this step (padding rows: 0)
     query_starts: jax.Array  # i32[S+1]   offsets of each row's new tokens in token_ids
+    # i32[S]: sequence s's pages are row page_rows[s] of page_table, then [R, P] (the
+    # persistent batch's, read in place by a backend that `reads_page_rows`); None: row s
+    page_rows: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
-from ksana_jax import draft
+from ksana_jax import draft, pallas_kernels
 from ksana_jax.batch import PackLayout, PageWrites, RowInputs, unpack
 from ksana_jax.config import ModelConfig
 from ksana_jax.kv_cache import SINK_PAGE, KVCache, kv_shardings
@@ -165,10 +165,12 @@ def _forward(
     inputs, sampling, rows = unpack(buffers, layout)[:3]
     page_table = rows.page_writes.apply(state.page_table)
     fed = state.last_token.at[rows.last_token_slots].get(mode="fill", fill_value=-1)
+    if pallas_kernels.get_backend(backend).reads_page_rows:  # the table read in place
+        tables = dict(page_table=page_table[:, : rows.context_pages], page_rows=rows.row_slots)
+    else:
+        tables = dict(page_table=page_table[rows.row_slots, : rows.context_pages])
     inputs = dataclasses.replace(
-        inputs,
-        token_ids=jnp.where(fed >= 0, fed, inputs.token_ids),
-        page_table=page_table[rows.row_slots, : rows.context_pages],
+        inputs, token_ids=jnp.where(fed >= 0, fed, inputs.token_ids), **tables
     )
     if draft_cfg is not None:
         if rows.drafts:

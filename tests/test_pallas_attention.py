@@ -720,3 +720,35 @@ def test_cpu_attend_layer_rejects_bad_shapes():
         ragged_paged_attention_cpu.attend_layer(
             qkv, kv, layer, cos, sin, slots[:3], *tables, spec=spec
         )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cpu_attend_layer_reads_each_sequences_row_of_the_batchs_table(dtype):
+    """With page_rows (StepInputs.page_rows: the persistent batch's table [R, P] read in
+    place), sequence s's pages are row page_rows[s] of the table: the call's attention and
+    pages equal those of the gathered [S, P] table exactly, the other rows (page ids past
+    the KV, which the kernel would refuse) never read; a row past the table is an error."""
+    spec = AttentionSpec(0.125, sliding_window=20)
+    qkv, kv, layer, cos, sin, slots, table, seq_lens, starts = attend_layer_args(
+        SCENARIOS["mixed"], dtype, seed=6
+    )
+    num_seqs, width = table.shape
+    rng = np.random.default_rng(6)
+    page_rows = jnp.asarray(rng.permutation(3 * num_seqs)[:num_seqs], jnp.int32)
+    wide = jnp.full((3 * num_seqs, width), NUM_PAGES + 7, jnp.int32).at[page_rows].set(table)
+    attend = jax.jit(ragged_paged_attention_cpu.attend_layer, static_argnames="spec")
+    want_out, want_kv = attend(qkv, kv, layer, cos, sin, slots, table, seq_lens, starts, spec=spec)
+    got_out, got_kv = attend(
+        qkv, kv, layer, cos, sin, slots, wide, seq_lens, starts, spec=spec, page_rows=page_rows
+    )
+    np.testing.assert_array_equal(got_out, want_out)
+    np.testing.assert_array_equal(
+        np.asarray(got_kv.pages.astype(jnp.float32)), np.asarray(want_kv.pages.astype(jnp.float32))
+    )
+    past = page_rows.at[0].set(3 * num_seqs)
+    with pytest.raises(Exception, match="page_rows: a row is out of the table"):
+        np.asarray(
+            attend(
+                qkv, kv, layer, cos, sin, slots, wide, seq_lens, starts, spec=spec, page_rows=past
+            )[0]
+        )

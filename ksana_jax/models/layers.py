@@ -8,6 +8,7 @@ float32 whatever the parameter dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -254,6 +255,8 @@ def paged_attention(
     cos, sin = rope_tables(inputs.positions, rope_inv_freq(cfg, layer_index))
     kernels = pallas_kernels.get_backend(backend)
     attend = kernels.layer_attention(kernels.interpreted_here())
+    if inputs.page_rows is not None:  # only a backend that reads_page_rows gets them
+        attend = functools.partial(attend, page_rows=inputs.page_rows)
     return attend(
         qkv,
         kv,

@@ -94,6 +94,9 @@ class AttentionBackend:
     interpret_on_cpu: bool = False
     # Loops over each row's own context: a wide page table (context bucket) costs nothing.
     loops_over_own_context: bool = False
+    # Its layer attention reads each sequence's pages from the persistent batch's page table
+    # in place (StepInputs.page_rows), so a step gathers no [S, P] table from it.
+    reads_page_rows: bool = False
     min_cuda_capability: int | None = None  # major CUDA compute capability it needs
     # KV dtypes that need a newer CUDA GPU than the rest: (dtype, "major.minor") pairs.
     kv_dtype_min_cuda_capability: tuple[tuple[str, str], ...] = ()
@@ -253,6 +256,7 @@ BACKENDS: dict[str, AttentionBackend] = {
             _KERNELS + "ragged_paged_attention_cpu",
             ("cpu",),
             loops_over_own_context=True,
+            reads_page_rows=True,
         ),
         AttentionBackend(
             "xla",

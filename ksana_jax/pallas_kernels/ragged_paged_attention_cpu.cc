@@ -221,15 +221,22 @@ struct Problem {
   const char* kv;               // [L, 2, K, num_pages, page_size, H]
   const float* scales;          // [L, 2, K, num_pages, page_size] (quantized), else null
   int64_t layer;
-  const int32_t* page_table;    // [S, P]
+  const int32_t* page_table;    // [S, P], or with page_rows [R, P]
+  const int32_t* page_rows;     // [S]: sequence s's pages are row page_rows[s]; null: row s
   const int32_t* seq_lens;      // [S]
   const int32_t* query_starts;  // [S + 1]
   float* out;                   // [T, N, H]
   int64_t num_tokens, num_heads, num_kv_heads, head_dim, num_pages, page_size, pages_per_seq;
+  int64_t table_rows;  // of page_table
   float sm_scale;
   int32_t sliding_window;  // W, or 0 for none
   float logit_softcap;     // c, or 0 for none
 };
+
+// Sequence s's page ids (pages_per_seq of them).
+inline const int32_t* page_row(const Problem& pb, int64_t s) {
+  return pb.page_table + (pb.page_rows ? pb.page_rows[s] : s) * pb.pages_per_seq;
+}
 
 struct Item {
   int32_t row, kv_head, first, count;  // new tokens first .. first + count - 1 of the row
@@ -308,7 +315,7 @@ void attend(const Problem& pb, const Item& item) {
   const int32_t start = pb.query_starts[item.row];
   const int32_t num_new = pb.query_starts[item.row + 1] - start;
   const int32_t num_cached = pb.seq_lens[item.row] - num_new;
-  const int32_t* table = pb.page_table + static_cast<int64_t>(item.row) * pb.pages_per_seq;
+  const int32_t* table = page_row(pb, item.row);
   // Element offsets of this layer's keys and values for this KV head.
   const int64_t page_elems = pb.page_size * H;
   const int64_t head_elems = pb.num_pages * page_elems;
@@ -576,10 +583,13 @@ ffi::Error page_kind(const ffi::AnyBuffer& kv, Problem& pb) {
 }
 
 // The step's shapes (q's or out's dims: [T, N, H]) and arrays into pb (q, k_new, v_new and
-// the pages' data are the caller's), checked.
+// the pages' data are the caller's), checked. `page_rows` [S] or empty: which row of
+// page_table [R, P] holds each sequence's pages (the persistent batch's table read in place:
+// no [S, P] gather of it a step); empty, row s.
 ffi::Error set_problem(ffi::Span<const int64_t> q_dims, const ffi::AnyBuffer& kv,
                        const ffi::Buffer<ffi::S32>& layer_index,
                        const ffi::Buffer<ffi::S32>& page_table,
+                       const ffi::Buffer<ffi::S32>& page_rows,
                        const ffi::Buffer<ffi::S32>& seq_lens,
                        const ffi::Buffer<ffi::S32>& query_starts, float* out, float sm_scale,
                        int32_t sliding_window, float logit_softcap, Problem& pb) {
@@ -599,6 +609,12 @@ ffi::Error set_problem(ffi::Span<const int64_t> q_dims, const ffi::AnyBuffer& kv
   if (pb.layer < 0 || pb.layer >= kv_dims[0])
     return ffi::Error::InvalidArgument("layer_index out of range");
   pb.page_table = page_table.typed_data();
+  const int64_t num_seqs = seq_lens.dimensions()[0];
+  pb.table_rows = page_table.dimensions()[0];
+  pb.page_rows = page_rows.element_count() > 0 ? page_rows.typed_data() : nullptr;
+  if (page_table.dimensions().size() != 2 ||
+      (pb.page_rows ? page_rows.element_count() != num_seqs : pb.table_rows < num_seqs))
+    return ffi::Error::InvalidArgument("page_table must be [S, P], or [R, P] with page_rows [S]");
   pb.seq_lens = seq_lens.typed_data();
   pb.query_starts = query_starts.typed_data();
   pb.out = out;
@@ -627,7 +643,9 @@ ffi::Error attend_rows(ffi::ThreadPool& pool, const Problem& pb, int64_t num_seq
     // The earliest position any of the row's queries sees: its first new token's window.
     const int64_t row_lo =
         sliding_window > 0 ? std::max<int64_t>(0, num_cached - sliding_window + 1) : 0;
-    const int32_t* table = pb.page_table + s * pb.pages_per_seq;
+    if (pb.page_rows && (pb.page_rows[s] < 0 || pb.page_rows[s] >= pb.table_rows))
+      return ffi::Error::InvalidArgument("page_rows: a row is out of the table");
+    const int32_t* table = page_row(pb, s);
     for (int64_t i = row_lo / pb.page_size; i * pb.page_size < num_cached; ++i) {
       if (table[i] < 0 || table[i] >= pb.num_pages)
         return ffi::Error::InvalidArgument("page_table: a page id is out of range");
@@ -651,7 +669,8 @@ ffi::Error attend_rows(ffi::ThreadPool& pool, const Problem& pb, int64_t num_seq
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_new,
                      ffi::AnyBuffer v_new, ffi::AnyBuffer kv, ffi::Buffer<ffi::F32> scales,
                      ffi::Buffer<ffi::S32> layer_index, ffi::Buffer<ffi::S32> page_table,
-                     ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_starts,
+                     ffi::Buffer<ffi::S32> page_rows, ffi::Buffer<ffi::S32> seq_lens,
+                     ffi::Buffer<ffi::S32> query_starts,
                      ffi::ResultBuffer<ffi::F32> out, float sm_scale,
                      int32_t sliding_window, float logit_softcap) {
   Problem pb;
@@ -673,8 +692,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
       return ffi::Error::InvalidArgument("scales must be [L, 2, K, num_pages, page_size]");
     pb.scales = scales.typed_data();
   }
-  error = set_problem(q.dimensions(), kv, layer_index, page_table, seq_lens, query_starts, out->typed_data(),
-                      sm_scale, sliding_window, logit_softcap, pb);
+  error = set_problem(q.dimensions(), kv, layer_index, page_table, page_rows, seq_lens,
+                      query_starts, out->typed_data(), sm_scale, sliding_window, logit_softcap,
+                      pb);
   if (error.failure()) return error;
   pb.q = q.typed_data();
   pb.k_new = static_cast<const char*>(k_new.untyped_data());
@@ -809,8 +829,9 @@ inline void rotate(const float* x, int64_t head_dim, const float* cos, const flo
 ffi::Error WriteAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::AnyBuffer pages,
                        ffi::Buffer<ffi::S32> layer_index, ffi::Buffer<ffi::F32> cos,
                        ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slot_ids,
-                       ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> seq_lens,
-                       ffi::Buffer<ffi::S32> query_starts, ffi::ResultBuffer<ffi::F32> out,
+                       ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> page_rows,
+                       ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_starts,
+                       ffi::ResultBuffer<ffi::F32> out,
                        ffi::Result<ffi::AnyBuffer> pages_out, float sm_scale,
                        int32_t sliding_window, float logit_softcap) {
   Problem pb;
@@ -824,8 +845,9 @@ ffi::Error WriteAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Any
       out_dims[0] != qkv_dims[0] || out_dims[1] != qkv_dims[1] * (qkv_dims[2] - 2) ||
       out_dims[2] != qkv_dims[3])
     return ffi::Error::InvalidArgument("qkv must be [T, K, G + 2, H] and out [T, K * G, H]");
-  error = set_problem(out->dimensions(), pages, layer_index, page_table, seq_lens, query_starts,
-                      out->typed_data(), sm_scale, sliding_window, logit_softcap, pb);
+  error = set_problem(out->dimensions(), pages, layer_index, page_table, page_rows, seq_lens,
+                      query_starts, out->typed_data(), sm_scale, sliding_window,
+                      logit_softcap, pb);
   if (error.failure()) return error;
   const int64_t t = pb.num_tokens, k = pb.num_kv_heads, h = pb.head_dim;
   const int64_t group = qkv_dims[2] - 2;
@@ -882,6 +904,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaRaggedPagedAttentionCpu, Attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer_index
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_rows [S] or [0]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_starts
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
@@ -908,6 +931,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KsanaWriteAttendCpu, WriteAttend,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sin [T, H/2]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_ids [T]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_rows [S] or [0]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_starts
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, K * G, H]

@@ -63,6 +63,10 @@ def check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         )
 
 
+# The calls' page_rows operand where each sequence's pages are its own row of the table.
+_NO_ROWS = np.zeros((0,), np.int32)
+
+
 def _spec_attributes(spec: AttentionSpec) -> dict[str, np.generic]:
     """The attention calls' attributes: scale, window (0: none), soft-cap (0: none)."""
     return dict(
@@ -104,6 +108,7 @@ def ragged_paged_attention(
         kv.scales,
         layer_index.reshape(()),
         page_table,
+        _NO_ROWS,
         seq_lens,
         query_starts,
         **_spec_attributes(spec),
@@ -153,12 +158,19 @@ def attend_layer(
     query_starts: jax.Array,
     *,
     spec: AttentionSpec,
+    page_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """reference.attend_layer (same arguments and result): for float pages one custom call
     splits qkv, rotates q and k, rounds k and v to the pages' dtype, writes them in place
     (the pages aliased to its second result) and attends; quantized pages take the
-    reference's composition with this kernel's attention."""
+    reference's composition with this kernel's attention. With `page_rows` i32[S]
+    (StepInputs.page_rows), page_table is [R, P] and sequence s's pages are its row
+    page_rows[s]: the call reads them there (quantized pages: gathered first)."""
+    if page_rows is not None and (page_rows.shape != seq_lens.shape or page_table.ndim != 2):
+        raise ValueError(f"page_rows must be [S] = {seq_lens.shape}, got {page_rows.shape}")
     if kv.quantized:
+        if page_rows is not None:
+            page_table = page_table[page_rows]
         return reference.attend_layer(
             qkv,
             kv,
@@ -183,7 +195,12 @@ def attend_layer(
     # the shapes of the q, k_new and v_new that qkv holds, checked as attention's arguments
     q = jax.ShapeDtypeStruct(out_shape, jnp.float32)
     k_new = jax.ShapeDtypeStruct((num_tokens, num_kv_heads, head_dim), jnp.float32)
-    validate_attention_args(q, k_new, k_new, kv, layer, page_table, seq_lens, query_starts)
+    # the [S, P] table the rows make, checked as attention's argument
+    step_table = jax.ShapeDtypeStruct((seq_lens.shape[0], page_table.shape[-1]), jnp.int32)
+    validate_attention_args(
+        q, k_new, k_new, kv, layer, page_table if page_rows is None else step_table, seq_lens,
+        query_starts,
+    )  # fmt: skip
     check_heads(out_shape[1], num_kv_heads, head_dim)
     rope_shape = (num_tokens, head_dim // 2)
     if cos.shape != rope_shape or sin.shape != rope_shape or head_dim % 2:
@@ -207,6 +224,7 @@ def attend_layer(
         sin.astype(jnp.float32),
         slot_ids.astype(jnp.int32),
         page_table,
+        _NO_ROWS if page_rows is None else page_rows.astype(jnp.int32),
         seq_lens,
         query_starts,
         **_spec_attributes(spec),
