@@ -602,19 +602,20 @@ ffi::Error set_problem(ffi::Span<const int64_t> q_dims, const ffi::AnyBuffer& kv
   pb.num_kv_heads = kv_dims[2];
   pb.num_pages = kv_dims[3];
   pb.page_size = kv_dims[4];
-  pb.pages_per_seq = page_table.dimensions()[1];
   if (pb.head_dim > kMaxHeadDim || pb.num_heads / pb.num_kv_heads > kMaxGroup)
     return ffi::Error::InvalidArgument("head_dim must be <= 256 and query heads per KV head <= 16");
   pb.layer = layer_index.typed_data()[0];
   if (pb.layer < 0 || pb.layer >= kv_dims[0])
     return ffi::Error::InvalidArgument("layer_index out of range");
-  pb.page_table = page_table.typed_data();
   const int64_t num_seqs = seq_lens.dimensions()[0];
-  pb.table_rows = page_table.dimensions()[0];
   pb.page_rows = page_rows.element_count() > 0 ? page_rows.typed_data() : nullptr;
   if (page_table.dimensions().size() != 2 ||
-      (pb.page_rows ? page_rows.element_count() != num_seqs : pb.table_rows < num_seqs))
+      (pb.page_rows ? page_rows.element_count() != num_seqs
+                    : page_table.dimensions()[0] < num_seqs))
     return ffi::Error::InvalidArgument("page_table must be [S, P], or [R, P] with page_rows [S]");
+  pb.page_table = page_table.typed_data();
+  pb.table_rows = page_table.dimensions()[0];
+  pb.pages_per_seq = page_table.dimensions()[1];
   pb.seq_lens = seq_lens.typed_data();
   pb.query_starts = query_starts.typed_data();
   pb.out = out;
